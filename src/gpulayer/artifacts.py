@@ -1,0 +1,351 @@
+"""Content-addressed blob store: every blob is named by the sha256 of its bytes.
+
+Layout under the store's root::
+
+    sha256/<first 2 hex digits>/<64 hex digits>   the blobs, read-only (0444)
+    tmp/                                          blobs being written
+
+A blob is written to ``tmp/``, flushed with ``fsync`` and renamed into place,
+so a reader never sees a half-written blob under its final name, and two
+writers of the same content both succeed (the second finds it already there).
+Blobs are never modified after the rename; that is what makes it safe to hand
+them out by hard link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from gpulayer.errors import ArtifactError
+
+# Blobs are shared by hard link with worker caches and workspaces: read-only
+# keeps an ordinary (non-root) process from editing every copy at once.
+BLOB_MODE = 0o444
+
+# Read/write granularity when streaming a file into the store or hashing it.
+_CHUNK = 1024 * 1024
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _check_digest(digest: str) -> str:
+    if not (isinstance(digest, str) and len(digest) == 64 and _HEX.issuperset(digest)):
+        raise ArtifactError(
+            f"invalid artifact digest {digest!r}: expected 64 lowercase hex digits (sha256)"
+        )
+    return digest
+
+
+def sha256_file(path: Path | str) -> str:
+    """The sha256 hex digest of a file's content, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+# A file changed this recently may change again within one timestamp tick
+# without its stat changing ("racy git"): its digest is not cached.
+_RACY_NS = 3_000_000_000
+_CACHE_MAX = 200_000  # entries; the cache is dropped whole when full
+
+
+class DigestCache:
+    """File digests keyed by path and by what changes when the content does.
+
+    The stat key adds ctime and device to (size, mtime, inode): ctime cannot
+    be set back by tools that preserve mtime.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def digest(self, path: str, st: os.stat_result) -> str:
+        """sha256 of the file at ``path`` whose ``lstat`` is ``st``."""
+        key = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+        known = self._known.get(path)
+        if known is not None and known[0] == key:
+            self.hits += 1
+            return known[1]
+        self.misses += 1
+        digest = sha256_file(path)
+        if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _RACY_NS:
+            if len(self._known) >= _CACHE_MAX:
+                self._known.clear()
+            self._known[path] = (key, digest)
+        return digest
+
+
+def copy_file(src: Path | str, dst: Path | str, mode: int) -> None:
+    """Copy ``src`` to a new file ``dst`` (which must not exist) with exactly ``mode``.
+
+    ``O_EXCL`` refuses to write through anything already at ``dst``, a symlink
+    included; ``fchmod`` sets the mode regardless of the umask.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    with open(src, "rb") as fsrc:
+        fd = os.open(dst, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            with open(fd, "wb", closefd=False) as fdst:
+                shutil.copyfileobj(fsrc, fdst, _CHUNK)
+            os.fchmod(fd, mode)
+        except BaseException:
+            os.close(fd)
+            os.unlink(dst)
+            raise
+        os.close(fd)
+
+
+_FICLONE = 0x40049409  # linux/fs.h: clone a whole file
+_NO_CLONE: set[int] = set()  # devices where cloning failed once: not tried again
+
+
+def clone_file(src: Path | str, dst: Path | str, mode: int) -> bool:
+    """Reflink ``src`` to a new file ``dst``: a private copy-on-write copy with
+    exactly ``mode``, no bytes copied. False where the filesystem cannot
+    (anything but btrfs, XFS and a few others); nothing is left at ``dst``.
+    """
+    if sys.platform != "linux":
+        return False
+    import fcntl
+
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with open(src, "rb") as f:
+        dev = os.fstat(f.fileno()).st_dev
+        if dev in _NO_CLONE:
+            return False
+        fd = os.open(dst, flags, 0o600)
+        try:
+            fcntl.ioctl(fd, _FICLONE, f.fileno())
+        except OSError as e:
+            if e.errno != errno.EXDEV:  # the filesystem cannot clone at all
+                _NO_CLONE.add(dev)
+            os.close(fd)
+            os.unlink(dst)
+            return False
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    return True
+
+
+class ArtifactStore:
+    """Blobs named by the sha256 hex digest of their content, under root/sha256/<first 2 hex>/<digest>."""
+
+    def __init__(self, root: Path) -> None:
+        # Nothing is created here: a store that is only read never touches the disk.
+        self.root = Path(root)
+        self._blobs = self.root / "sha256"
+        self._tmp = self.root / "tmp"
+
+    def __repr__(self) -> str:
+        return f"ArtifactStore({str(self.root)!r})"
+
+    def path(self, digest: str) -> Path:
+        """Where the blob with ``digest`` lives (it may not exist)."""
+        _check_digest(digest)
+        return self._blobs / digest[:2] / digest
+
+    def has(self, digest: str) -> bool:
+        return os.path.exists(self.path(digest))
+
+    # -- writing ------------------------------------------------------------
+
+    def _temp(self) -> tuple[int, str]:
+        """A new, empty, private temp file in the store's tree: (fd, path)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        for attempt in range(2):
+            name = os.path.join(self._tmp, f"{os.getpid()}-{os.urandom(8).hex()}.tmp")
+            try:
+                return os.open(name, flags, 0o600), name
+            except FileNotFoundError:
+                if attempt:
+                    raise
+                self._tmp.mkdir(parents=True, exist_ok=True)
+        raise AssertionError("unreachable")
+
+    def _commit(self, fd: int, tmp: str, digest: str) -> None:
+        """Move a fully written temp file into place as blob ``digest``; consumes fd and tmp."""
+        final = self.path(digest)
+        try:
+            if os.path.exists(final):
+                # Keep the existing blob (and its inode, which workspaces may
+                # link to); ours is a duplicate.
+                os.close(fd)
+                os.unlink(tmp)
+                return
+            # fsync before rename: after a crash a blob under its final name
+            # has its full content. The directory is not fsynced: a lost
+            # rename leaves a blob missing (detected, re-fetched), never wrong.
+            os.fchmod(fd, BLOB_MODE)
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, final)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+
+    def put_bytes(self, data: bytes) -> str:
+        """Store ``data``; return its digest. Storing existing content writes nothing."""
+        digest = hashlib.sha256(data).hexdigest()
+        if self.has(digest):
+            return digest
+        fd, tmp = self._temp()
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        self._commit(fd, tmp, digest)
+        return digest
+
+    def put_file(
+        self,
+        src: Path,
+        *,
+        digest: str | None = None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> str:
+        """Stream ``src`` into the store; return its digest.
+
+        With ``digest`` given and that blob already stored, return at once
+        without opening ``src``: an unchanged file is never copied twice. If
+        the content turns out not to match ``digest``, raise ArtifactError
+        and leave nothing behind. ``on_progress(n)`` is called after each
+        chunk with the number of bytes just copied (skipped files report
+        nothing).
+        """
+        if digest is not None and self.has(digest):
+            return digest
+        h = hashlib.sha256()
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        fd, tmp = self._temp()
+        try:
+            with open(src, "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    chunk = view[:n]
+                    h.update(chunk)
+                    while chunk:
+                        chunk = chunk[os.write(fd, chunk) :]
+                    if on_progress is not None:
+                        on_progress(n)
+            actual = h.hexdigest()
+            if digest is not None and actual != digest:
+                raise ArtifactError(
+                    f"content of {src} does not match its digest: expected {digest}, "
+                    f"found {actual} (did the file change while it was being stored?)"
+                )
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        self._commit(fd, tmp, actual)
+        return actual
+
+    def link_from(self, src: Path, digest: str) -> None:
+        """Adopt ``src``, a file known to hold ``digest``, without copying its bytes.
+
+        Meant for a blob of another store on the same machine (a worker cache
+        taking a blob from the control plane's store): it is hard-linked, so
+        it keeps that store's read-only mode. When a link is impossible
+        (another filesystem, link count limit...) the file is copied and
+        verified instead.
+        """
+        final = self.path(digest)
+        if os.path.exists(final):
+            return
+        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            if hard_link(src, final):
+                return
+        except FileExistsError:
+            return  # a concurrent writer stored it first
+        except FileNotFoundError:
+            raise ArtifactError(f"cannot adopt artifact {digest}: {src} does not exist") from None
+        self.put_file(src, digest=digest)
+
+    # -- reading ------------------------------------------------------------
+
+    def _missing(self, digest: str) -> ArtifactError:
+        return ArtifactError(f"artifact {digest} is not in the store at {self.root}")
+
+    def read_bytes(self, digest: str) -> bytes:
+        try:
+            return self.path(digest).read_bytes()
+        except FileNotFoundError:
+            raise self._missing(digest) from None
+
+    def open(self, digest: str) -> BinaryIO:
+        try:
+            return open(self.path(digest), "rb")
+        except FileNotFoundError:
+            raise self._missing(digest) from None
+
+    def materialize(self, digest: str, dest: Path) -> None:
+        """Make ``dest`` a file holding the blob, as cheaply as possible.
+
+        A hard link when the filesystem allows it, else a copy; either way
+        ``dest`` is read-only (0444), replaces whatever file was there, and
+        must not be edited in place: a linked ``dest`` *is* the blob, and root
+        is not stopped by the mode.
+        """
+        src = self.path(digest)
+        try:
+            if hard_link(src, dest):
+                return
+        except FileNotFoundError:
+            if not os.path.exists(src):
+                raise self._missing(digest) from None
+            raise
+        except FileExistsError:
+            os.unlink(dest)
+            if hard_link(src, dest):
+                return
+        _unlink_quietly(dest)
+        copy_file(src, dest, BLOB_MODE)
+
+
+# Reasons a hard link can fail where a copy would work (hard_link returns False): another filesystem,
+# too many links to one inode, no link support, or a policy forbidding it.
+_LINK_FALLBACK_ERRNOS = frozenset(
+    {errno.EXDEV, errno.EMLINK, errno.EPERM, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP}
+)
+
+
+def hard_link(src: Path | str, dst: Path | str) -> bool:
+    """Hard-link ``src`` at ``dst``; False where only a copy would do (see below)."""
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno in _LINK_FALLBACK_ERRNOS:
+            return False
+        raise
+    return True
+
+
+def _unlink_quietly(path: Path | str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
