@@ -1,0 +1,309 @@
+"""The public client: submit jobs, wait for them, read their logs and outputs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import msgspec
+
+from . import bundle, defaults
+from .errors import GPUlayerError, SpecError, WaitTimeout
+from .home import resolve_home
+from .jobs import JobInfo, LogLine, WorkerInfo
+from .spec import ArtifactRef, JobSpec, check_input_name, parse_spec
+from .transport import Transport
+
+log = logging.getLogger(__name__)
+
+# progress(total_bytes) -> a context manager yielding an advance(nbytes) callable
+Progress = Callable[[int, str], AbstractContextManager[Callable[[int], None]]]
+
+
+def _no_progress(total: int, label: str) -> AbstractContextManager[Callable[[int], None]]:
+    return nullcontext(lambda n: None)
+
+
+class Client:
+    """A connection to a control plane: embedded (the default) or a server.
+
+    ``Client()`` runs the control plane in this process with its state under
+    the GPUlayer home (``home``, else ``$GPULAYER_HOME``, else ``~/.gpulayer``).
+    With ``auto_worker`` (the default) an embedded client starts one local
+    worker at its first submit if none runs; ``ensure_local_workers`` starts more.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        token: str | None = None,
+        home: str | os.PathLike[str] | None = None,
+        auto_worker: bool = True,
+        progress: Progress | None = None,
+    ) -> None:
+        url = url or os.environ.get("GPULAYER_SERVER")
+        if url:
+            raise GPUlayerError(
+                f"cannot reach {url}: this version of GPUlayer runs embedded only (server mode is not built yet)"
+            )
+        from .embedded import Embedded
+
+        self._embedded: Embedded | None = Embedded(resolve_home(home))
+        self.home = self._embedded.home.path
+        self._transport: Transport = self._embedded.transport
+        self._auto_worker = auto_worker
+        self._progress = progress or _no_progress
+
+    # ---- lifecycle ----
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop local workers (their running jobs end as lost or are retried) and release the home."""
+        if self._embedded is not None:
+            self._embedded.close()
+            self._embedded = None
+
+    @property
+    def transport(self) -> Transport:
+        return self._transport
+
+    def ensure_local_workers(self, count: int, *, slots: int | None = None) -> list[WorkerInfo]:
+        """Start workers in this process until ``count`` run; returns them."""
+        if count < 0:
+            raise GPUlayerError(f"ensure_local_workers needs a count of 0 or more, got {count}")
+        if self._embedded is None:
+            raise GPUlayerError("this client is closed")
+        return [w.info for w in self._embedded.ensure_local_workers(count, slots=slots)]
+
+    # ---- jobs ----
+
+    def submit(
+        self,
+        script: str | os.PathLike[str] | None = None,
+        args: Sequence[str] = (),
+        *,
+        command: Sequence[str] | None = None,
+        source: str | os.PathLike[str] | None = None,
+        inputs: Mapping[str, str | os.PathLike[str]] | None = None,
+        outputs: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        gpus: int = 0,
+        nodes: int = 1,
+        procs_per_node: int = 1,
+        launcher: str | None = None,
+        priority: int = 0,
+        max_retries: int = 0,
+        timeout: float | None = None,
+        name: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> Job:
+        """Validate, store and place a job. Nothing is stored if the spec is bad."""
+        fields: dict[str, Any] = {
+            "args": [str(a) for a in args] if not isinstance(args, str) else args,
+            "outputs": list(outputs) if not isinstance(outputs, str) else outputs,
+            "env": dict(env or {}),
+            "gpus": gpus,
+            "nodes": nodes,
+            "procs_per_node": procs_per_node,
+            "launcher": launcher,
+            "priority": priority,
+            "max_retries": max_retries,
+            "timeout": timeout,
+            "name": name,
+            "labels": dict(labels or {}),
+        }
+        if command is not None:
+            fields["command"] = [str(c) for c in command] if not isinstance(command, str) else command
+        source_dir = self._resolve_source(script, source, fields)
+        # Validate everything before storing a byte (placeholders for artifacts).
+        placeholder = "0" * 64
+        draft = dict(fields)
+        if source_dir is not None:
+            draft["bundle"] = placeholder
+        input_paths = self._check_inputs(inputs or {})
+        draft["inputs"] = {n: {"kind": "file", "digest": placeholder} for n in input_paths}
+        parse_spec(draft)
+        if source_dir is not None:
+            fields["bundle"], _ = self._pack_tree(source_dir, "source")
+        fields["inputs"] = {name: self._pack_input(path) for name, path in input_paths.items()}
+        info = self._transport.submit(parse_spec(fields))
+        if self._embedded is not None and self._auto_worker and not self._embedded.workers:
+            self._embedded.ensure_local_workers(1)
+        return Job(self, info, source_dir)
+
+    def _resolve_source(
+        self, script: str | os.PathLike[str] | None, source: str | os.PathLike[str] | None, fields: dict[str, Any]
+    ) -> Path | None:
+        if script is not None and "command" in fields:
+            raise SpecError("command", "give a script or a command, not both")
+        src = Path(source).resolve() if source is not None else None
+        if src is not None and not src.is_dir():
+            raise SpecError("source", f"{source} is not a directory")
+        if script is None:
+            return src
+        path = Path(script).resolve()
+        if not path.is_file():
+            raise SpecError("script", f"{script} does not exist or is not a file")
+        src = src or path.parent
+        try:
+            fields["script"] = path.relative_to(src).as_posix()
+        except ValueError:
+            raise SpecError("script", f"{script} is not inside the source directory {src}") from None
+        return src
+
+    def _check_inputs(self, inputs: Mapping[str, str | os.PathLike[str]]) -> dict[str, Path]:
+        found = {}
+        for name, raw in inputs.items():
+            check_input_name(name)
+            path = Path(raw).resolve()
+            if not path.exists():
+                raise SpecError(f"inputs.{name}", f"{raw} does not exist")
+            found[name] = path
+        return found
+
+    def _pack_tree(self, root: Path, label: str) -> tuple[str, int]:
+        manifest = bundle.scan(root, home=self.home)
+        summary = bundle.summarize(manifest)
+        log.info("%s bundle %s: %d files, %s", label, root, summary.files, _size(summary.bytes))
+        if bundle.is_large(summary):
+            biggest = ", ".join(f"{p} ({_size(s)})" for p, s in summary.largest)
+            log.warning(
+                "the %s bundle of %s is %s (largest: %s); list data in .gpulayerignore and pass it as an input",
+                label, root, _size(summary.bytes), biggest,
+            )
+        files = {e.digest: root / e.path for e in manifest.entries if e.kind == "file" and e.digest}
+        sizes = {e.digest: e.size for e in manifest.entries if e.kind == "file" and e.digest}
+        missing = self._transport.missing_blobs(files)
+        self._upload(missing, files, sizes, f"storing {label} {root.name}")
+        return self._transport.upload_bytes(msgspec.json.encode(manifest)), summary.bytes
+
+    def _pack_input(self, path: Path) -> ArtifactRef:
+        if path.is_dir():
+            digest, size = self._pack_tree(path, "input")
+            return ArtifactRef(kind="dir", digest=digest, size=size)
+        digest = bundle.file_digest(path)
+        size = path.stat().st_size
+        self._upload(self._transport.missing_blobs([digest]), {digest: path}, {digest: size}, f"storing input {path.name}")
+        return ArtifactRef(kind="file", digest=digest, size=size)
+
+    def _upload(self, digests: Iterable[str], paths: Mapping[str, Path], sizes: Mapping[str, int], label: str) -> None:
+        digests = sorted(digests)
+        total = sum(sizes[d] for d in digests)
+        bar = self._progress if total >= defaults.PROGRESS_MIN_BYTES else _no_progress
+        with bar(total, label) as advance:
+            for digest in digests:
+                self._transport.upload_blob(paths[digest], digest, on_progress=advance)
+
+    def job(self, job_id: str) -> Job:
+        return Job(self, self._transport.get_job(job_id))
+
+    def jobs(self, *, state: str | Iterable[str] | None = None, limit: int | None = None) -> list[Job]:
+        states = [state] if isinstance(state, str) else list(state or [])
+        return [Job(self, info) for info in self._transport.list_jobs(states=states, limit=limit)]
+
+    def workers(self) -> list[WorkerInfo]:
+        return self._transport.list_workers()
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+class Job:
+    """A handle on a submitted job. Properties read the latest state."""
+
+    def __init__(self, client: Client, info: JobInfo, source_dir: Path | None = None) -> None:
+        self._client = client
+        self.info = info
+        self.id = info.id
+        self._source_dir = source_dir
+
+    def __repr__(self) -> str:
+        return f"<Job {self.id} {self.info.state}>"
+
+    def refresh(self) -> JobInfo:
+        self.info = self._client.transport.get_job(self.id)
+        return self.info
+
+    @property
+    def status(self) -> str:
+        return self.refresh().state
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.info.exit_code if self.info.done else self.refresh().exit_code
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds spent in each stage of the job's life (see ``jobs.STAGES``)."""
+        return (self.info if self.info.done else self.refresh()).timings()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the job ends; return its final status."""
+        self.info = self._client.transport.wait(self.id, timeout)
+        if not self.info.done:
+            raise WaitTimeout(f"job {self.id} is still {self.info.state} after waiting {timeout} s")
+        return self.info.state
+
+    def cancel(self) -> str:
+        self.info = self._client.transport.cancel(self.id)
+        return self.info.state
+
+    def stream_logs(self, *, follow: bool = True, poll: float = 30.0) -> Iterator[LogLine]:
+        """Yield log lines; with ``follow``, until the job ends."""
+        cursor = (0, 0)
+        while True:
+            chunk = self._client.transport.read_logs(self.id, cursor, poll if follow else 0.0)
+            yield from chunk.lines
+            cursor = chunk.cursor
+            if chunk.done or (not follow and not chunk.lines):
+                return
+
+    def logs(self) -> str:
+        """The job's output so far, as text (stdout and stderr interleaved)."""
+        return "".join(line.text + "\n" for line in self.stream_logs(follow=False))
+
+    def download_outputs(self, dest: str | os.PathLike[str] | None = None) -> Path:
+        """Copy the job's outputs (and its log) into ``gpulayer_runs/<job id>/``; return that path.
+
+        Without ``dest``, the folder is beside the submitted script (or in the
+        current directory for command jobs and jobs from elsewhere).
+        """
+        info = self.info if self.info.done else self.refresh()
+        base = Path(dest) if dest is not None else (self._source_dir or Path.cwd()) / defaults.RUNS_DIRNAME / self.id
+        base.mkdir(parents=True, exist_ok=True)
+        transport = self._client.transport
+        from .artifacts import ArtifactStore
+
+        cache = ArtifactStore(self._client.home / "artifacts")
+        for rel, ref in info.outputs.items():
+            target = base / rel
+            if target.exists():
+                shutil.rmtree(target) if target.is_dir() else target.unlink()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            blob = transport.download_blob(ref.digest, cache)
+            if ref.kind == "file":
+                shutil.copyfile(blob, target)  # a private copy: the user may edit it
+            else:
+                manifest = bundle.load(cache, ref.digest)
+                bundle.materialize(manifest, target, lambda d: transport.download_blob(d, cache))
+        (base / "logs.txt").write_text(self.logs())
+        return base

@@ -1,0 +1,49 @@
+"""Every default GPUlayer uses, in one place, each with the reason for its value.
+
+Precedence everywhere: explicit argument, then environment variable, then this
+module's default.
+"""
+
+from __future__ import annotations
+
+# Where state lives when neither an argument nor $GPULAYER_HOME says otherwise.
+HOME_DIRNAME = ".gpulayer"
+HOME_ENV = "GPULAYER_HOME"
+# A file that marks a directory as a GPUlayer home, so bundles never ship one.
+HOME_MARKER = ".gpulayer-home"
+DB_FILENAME = "gpulayer.db"
+
+# Outputs and logs fetched by a client land beside the user's script here.
+RUNS_DIRNAME = "gpulayer_runs"
+
+# How long a worker's long poll waits before it returns empty and loops. Long
+# enough to cost nothing when idle, short enough to notice a stop request.
+ACQUIRE_TIMEOUT_S = 30.0
+
+# The log sender batches lines for this long, so a chatty job costs one write
+# per quarter second instead of one per line, and never waits on the network.
+LOG_BATCH_INTERVAL_S = 0.25
+# Lines waiting to be sent, per worker; beyond this the oldest unsent lines are
+# dropped (and the drop is reported in the log) so memory stays bounded.
+LOG_BUFFER_MAX_LINES = 50_000
+# A single line longer than this is cut (a job printing a 1 GB line must not
+# take 1 GB of the worker's memory).
+LOG_LINE_MAX_BYTES = 64 * 1024
+# How many trailing stderr lines a failed job's error message carries.
+STDERR_TAIL_LINES = 20
+
+# Cancel and timeout: SIGTERM, then this long to exit cleanly, then SIGKILL.
+KILL_GRACE_S = 10.0
+# After a job's main process exits, how long its pipes may stay open (held by
+# a stray descendant) before the stragglers are killed.
+PIPE_DRAIN_S = 2.0
+
+# A bundle or input above this size gets a warning: it is uploaded at every
+# launch unless unchanged.
+LARGE_BUNDLE_BYTES = 100 * 1024 * 1024
+# Storing more than this many new bytes shows a progress bar in the CLI.
+PROGRESS_MIN_BYTES = 8 * 1024 * 1024
+
+# Following logs of a job run by another process (embedded mode) re-reads the
+# store this often; within one process, appends wake followers at once.
+FOLLOW_RECHECK_S = 0.25

@@ -1,0 +1,97 @@
+"""The embedded control plane: the service, the store and local workers, all
+in the user's process, with state in the GPUlayer home.
+
+Opening one claims a fresh instance id (a lock held for the process's life)
+and recovers what any dead instance on the same home left behind: its
+running jobs are ended (their stray processes killed) and retried within
+their budget or marked ``lost``; its queued jobs queue here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from . import defaults
+from .artifacts import ArtifactStore
+from .home import Home
+from .ids import new_id
+from .service import ControlPlane
+from .store.sqlite import SqliteStore
+from .transport.inprocess import InProcessTransport
+from .worker.gpus import Gpu, detect_gpus
+from .worker.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+def _kill_orphan(pid: int, created: float | None) -> None:
+    from .worker.process import kill_orphans
+
+    if created is not None:
+        kill_orphans(pid, created, grace=defaults.KILL_GRACE_S)
+
+
+class Embedded:
+    def __init__(self, home_path: Path) -> None:
+        self.home = Home(home_path)
+        self.instance_id = new_id()
+        self.home.claim_instance(self.instance_id)
+        self.store = SqliteStore(self.home.db)
+        self.artifacts = ArtifactStore(self.home.artifacts)
+        self.plane = ControlPlane(self.store, instance_id=self.instance_id, kill_orphan=_kill_orphan)
+        self.transport = InProcessTransport(self.plane, self.artifacts)
+        self.workers: list[Worker] = []
+        self._lock = threading.Lock()
+        self._gpus: list[Gpu] | None = None
+        self.recover()
+
+    def recover(self) -> list[str]:
+        recovered: list[str] = []
+        for owner in sorted(self.store.owners() - {self.instance_id}):
+            fd = self.home.lock_if_dead(owner)
+            if fd is None:
+                continue  # alive: another process on this home runs those jobs
+            try:
+                recovered += self.plane.recover(owner)
+            finally:
+                self.home.forget_instance(owner, fd)
+        if recovered:
+            log.warning("recovered %d job(s) left by a GPUlayer process that died", len(recovered))
+        return recovered
+
+    def ensure_local_workers(self, count: int, *, slots: int | None = None) -> list[Worker]:
+        """Start workers in this process until ``count`` run.
+
+        The machine's GPUs are split among the workers started together, so
+        no GPU is offered twice; workers beyond the GPU count offer CPU slots.
+        """
+        with self._lock:
+            missing = count - len(self.workers)
+            if missing <= 0:
+                return list(self.workers)
+            if self._gpus is None:
+                self._gpus = detect_gpus()
+            claimed = {g.index for w in self.workers for g in w.gpus}
+            free = [g for g in self._gpus if g.index not in claimed]
+            for i in range(missing):
+                share = free[i::missing] if free else []
+                worker = Worker(
+                    self.transport,
+                    cache=self.artifacts,  # same machine: the home's store is the cache
+                    work_dir=self.home.path / "workers",
+                    slots=None if share else slots,
+                    gpus=share,
+                )
+                worker.start()
+                self.workers.append(worker)
+            return list(self.workers)
+
+    def close(self) -> None:
+        with self._lock:
+            workers, self.workers = self.workers, []
+        for worker in workers:
+            worker.stop()
+        self.store.close()
+        self.home.release_instance(self.instance_id)

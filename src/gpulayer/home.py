@@ -1,0 +1,95 @@
+"""The GPUlayer home: where an embedded control plane keeps its state.
+
+Layout::
+
+    <home>/
+      .gpulayer-home        marker: bundles never ship a home
+      gpulayer.db           the job store (SQLite, WAL)
+      artifacts/            content-addressed blobs (bundles, inputs, outputs)
+      instances/<id>.lock   one per live control plane, flock-held for its life
+      workers/<id>/         per-worker task directories
+
+Liveness is an advisory lock (``flock``) on the instance's lock file: the
+kernel drops it when the process dies, however it dies, so a later start can
+tell a crashed control plane from a live one without trusting pids.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from . import defaults
+
+
+def resolve_home(home: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Path:
+    """Argument, then $GPULAYER_HOME, then ~/.gpulayer."""
+    env = os.environ if env is None else env
+    if home is not None:
+        return Path(home).expanduser().resolve()
+    if env.get(defaults.HOME_ENV):
+        return Path(env[defaults.HOME_ENV]).expanduser().resolve()
+    return (Path.home() / defaults.HOME_DIRNAME).resolve()
+
+
+class Home:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        marker = path / defaults.HOME_MARKER
+        if not marker.exists():
+            marker.write_text("This directory is a GPUlayer home.\n")
+        self.instances = path / "instances"
+        self.instances.mkdir(exist_ok=True)
+        self._lock_fd: int | None = None
+
+    @property
+    def db(self) -> Path:
+        return self.path / defaults.DB_FILENAME
+
+    @property
+    def artifacts(self) -> Path:
+        return self.path / "artifacts"
+
+    def worker_dir(self, worker_id: str) -> Path:
+        return self.path / "workers" / worker_id
+
+    def claim_instance(self, instance_id: str) -> None:
+        """Hold this instance's lock for as long as the process lives."""
+        fd = os.open(self.instances / f"{instance_id}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def release_instance(self, instance_id: str) -> None:
+        if self._lock_fd is not None:
+            (self.instances / f"{instance_id}.lock").unlink(missing_ok=True)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def lock_if_dead(self, instance_id: str) -> int | None:
+        """Take a dead instance's lock (to recover its jobs) and return its fd.
+
+        None means the instance is alive. Holding the lock while recovering
+        keeps two processes from recovering the same instance at once.
+        """
+        fd = os.open(self.instances / f"{instance_id}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def is_alive(self, instance_id: str) -> bool:
+        fd = self.lock_if_dead(instance_id)
+        if fd is None:
+            return True
+        self.forget_instance(instance_id, fd)
+        return False
+
+    def forget_instance(self, instance_id: str, fd: int) -> None:
+        (self.instances / f"{instance_id}.lock").unlink(missing_ok=True)
+        os.close(fd)

@@ -1,0 +1,178 @@
+"""Jobs as data: states, the records the control plane hands out, and the pure
+rules that decide a job's next state.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from .spec import ArtifactRef, JobSpec
+
+QUEUED = "queued"
+RUNNING = "running"
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+CANCELLED = "cancelled"
+TIMED_OUT = "timed_out"
+LOST = "lost"
+STATES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED, TIMED_OUT, LOST)
+FINAL_STATES = frozenset({SUCCEEDED, FAILED, CANCELLED, TIMED_OUT, LOST})
+
+# The moments in a job's life, in order; `timings` are the gaps between them.
+MARKS = ("submitted", "placed", "acquired", "prepared", "started", "exited", "finished")
+STAGES = {
+    "queue": ("submitted", "placed"),  # waiting for capacity
+    "dispatch": ("placed", "acquired"),  # the worker learns of its task
+    "prepare": ("acquired", "prepared"),  # bundle, inputs, workspace
+    "launch": ("prepared", "started"),  # process spawned
+    "run": ("started", "exited"),  # the job's own time
+    "finish": ("exited", "finished"),  # logs flushed, outputs stored, outcome recorded
+    "total": ("submitted", "finished"),
+}
+
+
+class JobInfo(msgspec.Struct, kw_only=True):
+    """A job as the store holds it; what clients see."""
+
+    id: str
+    spec: JobSpec
+    state: str = QUEUED
+    seq: int = 0
+    attempt: int = 0  # how many times it has been placed
+    owner: str | None = None  # the control-plane instance responsible for it
+    worker: str | None = None
+    slots: list[int] = []
+    gpus: list[int] = []
+    exit_code: int | None = None
+    reason: str | None = None  # why it waits, or why it failed
+    cancel_requested: bool = False
+    pid: int | None = None
+    pid_created: float | None = None
+    marks: dict[str, float] = {}
+    outputs: dict[str, ArtifactRef] = {}
+
+    @property
+    def done(self) -> bool:
+        return self.state in FINAL_STATES
+
+    def timings(self) -> dict[str, float]:
+        return {
+            stage: round(self.marks[end] - self.marks[start], 6)
+            for stage, (start, end) in STAGES.items()
+            if start in self.marks and end in self.marks
+        }
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    id: str
+    name: str
+    host: str
+    slot_gpus: list[int | None]
+    gpu_vendor: Literal["nvidia", "amd"] | None = None
+    gpu_names: list[str] = []
+    instance: str | None = None
+    started: float = 0.0
+    last_seen: float = 0.0
+    running: list[str] = []  # job ids; filled in by the service
+
+
+class LogLine(msgspec.Struct, array_like=True):
+    seq: int
+    ts: float
+    stream: Literal["stdout", "stderr", "system"]
+    text: str
+
+
+class LogChunk(msgspec.Struct):
+    lines: list[LogLine]
+    attempt: int
+    cursor: tuple[int, int]  # (attempt, seq) of the last line returned
+    done: bool  # the job is final and every line has been returned
+
+
+# Instructions a worker receives from acquire().
+class RunTask(msgspec.Struct, tag="run", kw_only=True):
+    job_id: str
+    attempt: int
+    spec: JobSpec
+    slots: list[int]
+    gpus: list[int]
+
+
+class CancelTask(msgspec.Struct, tag="cancel", kw_only=True):
+    job_id: str
+    attempt: int
+
+
+Instruction = RunTask | CancelTask
+
+Outcome = Literal["exited", "timed_out", "cancelled", "lost", "error"]
+
+
+class TaskStarted(msgspec.Struct, kw_only=True):
+    job_id: str
+    attempt: int
+    worker_id: str
+    acquired: float
+    prepared: float
+    started: float
+    pid: int
+    pid_created: float | None = None
+
+
+class TaskResult(msgspec.Struct, kw_only=True):
+    job_id: str
+    attempt: int
+    worker_id: str
+    outcome: Outcome
+    exit_code: int | None = None
+    error: str | None = None  # why it could not run (prepare or spawn failed)
+    stderr_tail: list[str] = []
+    outputs: dict[str, ArtifactRef] = {}
+    missing_outputs: list[str] = []
+    marks: dict[str, float] = {}  # acquired/prepared/started/exited when known
+
+
+def next_state(
+    result: TaskResult, *, cancel_requested: bool, attempt: int, max_retries: int
+) -> tuple[str, bool]:
+    """The job's state after a task ends, and whether to queue it again."""
+    if cancel_requested or result.outcome == "cancelled":
+        return CANCELLED, False
+    if result.outcome == "timed_out":
+        state = TIMED_OUT
+    elif result.outcome == "lost":
+        state = LOST
+    elif result.outcome == "exited" and result.exit_code == 0:
+        return SUCCEEDED, False
+    else:
+        state = FAILED
+    return state, attempt <= max_retries
+
+
+def describe_failure(result: TaskResult) -> str | None:
+    """The reason line stored with a job that did not succeed."""
+    if result.outcome == "exited" and result.exit_code == 0:
+        return _missing(result)
+    if result.outcome == "error":
+        head = f"could not run: {result.error}"
+    elif result.outcome == "timed_out":
+        head = "ran past its timeout and was terminated"
+    elif result.outcome == "cancelled":
+        head = "cancelled"
+    elif result.outcome == "lost":
+        head = "its worker stopped while it ran"
+    else:
+        head = f"exited with code {result.exit_code}"
+    tail = "\n".join(result.stderr_tail)
+    missing = _missing(result)
+    parts = [head, missing, f"stderr (last lines):\n{tail}" if tail else None]
+    return "\n".join(p for p in parts if p)
+
+
+def _missing(result: TaskResult) -> str | None:
+    if not result.missing_outputs:
+        return None
+    return "declared outputs not found: " + ", ".join(result.missing_outputs)

@@ -1,0 +1,418 @@
+"""The control plane: jobs in, placements out, results back, waiters woken.
+
+One :class:`ControlPlane` serves clients (submit, wait, cancel, logs) and
+workers (register, acquire, started, logs, finished) through a transport. Its
+in-memory view (the queue, the live workers and their free slots, the running
+jobs) drives placement; the store is the durable record, written in one
+transaction per step. Every wait here is a condition or an event that the step
+which ends it signals: nothing on the dispatch path sleeps or polls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from . import defaults, jobs
+from .errors import InvalidStateError, JobNotFoundError
+from .ids import new_id
+from .jobs import CancelTask, Instruction, JobInfo, LogChunk, LogLine, RunTask, TaskResult, TaskStarted, WorkerInfo
+from .scheduler import Assignment, Capacity, Request, explain, place
+from .spec import JobSpec, parse_spec
+from .store import Store, Transaction
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    request: Request
+    spec: JobSpec
+    attempt: int  # attempts made so far
+
+
+@dataclass
+class _Running:
+    worker_id: str
+    attempt: int
+    slots: tuple[int, ...]
+    spec: JobSpec
+    seq: int
+    cancel_requested: bool = False
+
+
+@dataclass
+class _LiveWorker:
+    info: WorkerInfo
+    free: set[int]
+    inbox: deque[Instruction]
+    wake: threading.Condition
+    running: set[str] = field(default_factory=set)
+    closed: bool = False
+
+    def capacity(self) -> Capacity:
+        return Capacity(self.info.id, tuple(self.info.slot_gpus), frozenset(self.free))
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        instance_id: str,
+        clock: Callable[[], float] = time.time,
+        kill_orphan: Callable[[int, float | None], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.instance_id = instance_id
+        self._clock = clock
+        self._kill_orphan = kill_orphan
+        self._lock = threading.Lock()
+        self._logs_changed = threading.Condition(self._lock)
+        self._queue: dict[str, _Pending] = {}
+        self._running: dict[str, _Running] = {}
+        self._workers: dict[str, _LiveWorker] = {}
+        self._done: dict[str, threading.Event] = {}
+        self._seq = max((j.seq for j in store.list_jobs(limit=1)), default=0)
+
+    # ---- clients -------------------------------------------------------
+
+    def submit(self, spec: JobSpec) -> JobInfo:
+        spec = parse_spec(spec)
+        now = self._clock()
+        with self._lock:
+            seq = self._seq + 1
+            job = JobInfo(id=new_id(), spec=spec, seq=seq, owner=self.instance_id, marks={"submitted": now})
+            self._queue[job.id] = _Pending(Request(job.id, spec.priority, seq, spec.gpus, spec.nodes), spec, 0)
+            try:
+                assignments = self._plan()
+                with self.store.transaction() as tx:
+                    tx.insert_job(job)
+                    self._record(tx, assignments, now)
+            except BaseException:
+                del self._queue[job.id]
+                raise
+            self._seq = seq
+            self._dispatch(assignments)
+            for a in assignments:
+                if a.job_id == job.id:
+                    job.state, job.worker, job.attempt = jobs.RUNNING, a.worker_id, 1
+                    job.marks["placed"] = now
+        return job
+
+    def resolve(self, job_id: str) -> str:
+        """A full id from an id or a unique prefix of one."""
+        found = self.store.find_job(job_id)
+        if job_id in found:
+            return job_id
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise JobNotFoundError(f"no job with id {job_id!r}")
+        raise JobNotFoundError(f"{job_id!r} matches several jobs; give more of the id")
+
+    def get(self, job_id: str) -> JobInfo:
+        job = self.store.get_job(self.resolve(job_id))
+        assert job is not None
+        if job.state == jobs.QUEUED and job.reason is None:
+            with self._lock:
+                pending = self._queue.get(job.id)
+                if pending is not None:
+                    job.reason = explain(pending.request, [w.capacity() for w in self._open_workers()])
+        return job
+
+    def list_jobs(self, *, states: Iterable[str] = (), limit: int | None = None) -> list[JobInfo]:
+        return self.store.list_jobs(states=states, limit=limit)
+
+    def wait(self, job_id: str, timeout: float | None = None) -> JobInfo:
+        """Block until the job is final (or ``timeout``), then return it."""
+        job_id = self.resolve(job_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                ours = job_id in self._queue or job_id in self._running
+                event = self._done.setdefault(job_id, threading.Event()) if ours else None
+            if event is None:
+                job = self.store.get_job(job_id)
+                assert job is not None
+                if job.done:
+                    return job
+                # Run by another process on this home: it cannot signal us.
+                remaining = defaults.FOLLOW_RECHECK_S
+            else:
+                remaining = None
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return self.get(job_id)
+                remaining = left if remaining is None else min(remaining, left)
+            if event is not None:
+                event.wait(remaining)
+                if event.is_set():
+                    return self.get(job_id)
+            else:
+                with self._lock:
+                    self._logs_changed.wait(remaining)
+
+    def cancel(self, job_id: str) -> JobInfo:
+        job_id = self.resolve(job_id)
+        now = self._clock()
+        with self._lock:
+            if job_id in self._queue:
+                del self._queue[job_id]
+                with self.store.transaction() as tx:
+                    tx.request_cancel(job_id)
+                    tx.finish(job_id, state=jobs.CANCELLED, exit_code=None, reason="cancelled while queued",
+                              marks={"finished": now}, outputs={})
+                self._signal_done(job_id)
+            elif job_id in self._running:
+                run = self._running[job_id]
+                run.cancel_requested = True
+                with self.store.transaction() as tx:
+                    tx.request_cancel(job_id)
+                worker = self._workers.get(run.worker_id)
+                if worker is not None:
+                    worker.inbox.append(CancelTask(job_id=job_id, attempt=run.attempt))
+                    worker.wake.notify()
+            else:
+                job = self.store.get_job(job_id)
+                assert job is not None
+                if job.done:
+                    raise InvalidStateError(f"job {job_id} is already {job.state}; there is nothing to cancel")
+                # Owned by another live process on this home: flag it, and end
+                # the process tree ourselves; its owner records the outcome.
+                with self.store.transaction() as tx:
+                    tx.request_cancel(job_id)
+                if job.pid is not None and self._kill_orphan is not None:
+                    self._kill_orphan(job.pid, job.pid_created)
+        return self.get(job_id)
+
+    def read_logs(self, job_id: str, after: tuple[int, int] = (0, 0), timeout: float = 0.0) -> LogChunk:
+        """Lines after ``after``; with ``timeout``, wait that long for some."""
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.store.get_job(job_id)
+            if job is None:
+                raise JobNotFoundError(f"no job with id {job_id!r}")
+            rows = self.store.read_logs(job_id, after)
+            left = deadline - time.monotonic()
+            if rows or job.done or left <= 0:
+                cursor = (rows[-1][0], rows[-1][1].seq) if rows else after
+                return LogChunk(
+                    lines=[line for _, line in rows],
+                    attempt=rows[-1][0] if rows else after[0],
+                    cursor=cursor,
+                    done=job.done and len(rows) < 10_000,
+                )
+            with self._lock:
+                ours = job_id in self._queue or job_id in self._running
+                self._logs_changed.wait(left if ours else min(left, defaults.FOLLOW_RECHECK_S))
+
+    def list_workers(self) -> list[WorkerInfo]:
+        with self._lock:
+            live = {w.info.id: w for w in self._workers.values()}
+        found = self.store.list_workers()
+        for info in found:
+            if info.id in live:
+                info.running = sorted(live[info.id].running)
+        return found
+
+    # ---- workers -------------------------------------------------------
+
+    def register_worker(self, info: WorkerInfo) -> WorkerInfo:
+        now = self._clock()
+        info.id = info.id or new_id()
+        info.instance = self.instance_id
+        info.started = info.last_seen = now
+        with self._lock:
+            self._workers[info.id] = _LiveWorker(
+                info=info, free=set(range(len(info.slot_gpus))), inbox=deque(), wake=threading.Condition(self._lock)
+            )
+            assignments = self._plan()
+            with self.store.transaction() as tx:
+                tx.upsert_worker(info)
+                self._record(tx, assignments, now)
+            self._dispatch(assignments)
+        return info
+
+    def unregister_worker(self, worker_id: str, reason: str = "its worker stopped") -> None:
+        """Detach a worker; jobs it still runs are retried or end lost."""
+        with self._lock:
+            worker = self._workers.pop(worker_id, None)
+            if worker is None:
+                return
+            worker.closed = True
+            worker.wake.notify_all()
+            now = self._clock()
+            lost = {job_id: self._release(job_id) for job_id in list(worker.running)}
+            with self.store.transaction() as tx:
+                for job_id, run in lost.items():
+                    self._end_lost(tx, run, job_id, reason, now)
+                assignments = self._plan()
+                tx.delete_worker(worker_id)
+                self._record(tx, assignments, now)
+            self._dispatch(assignments)
+
+    def acquire(self, worker_id: str, timeout: float = defaults.ACQUIRE_TIMEOUT_S) -> list[Instruction]:
+        """The worker's long poll: returns at once when work is placed on it."""
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            if worker is None:
+                raise InvalidStateError(f"worker {worker_id} is not registered with this control plane")
+            if not worker.inbox and not worker.closed:
+                worker.wake.wait(timeout)
+            items = list(worker.inbox)
+            worker.inbox.clear()
+            return items
+
+    def task_started(self, report: TaskStarted) -> None:
+        with self._lock:
+            run = self._running.get(report.job_id)
+            if run is None or run.attempt != report.attempt or run.worker_id != report.worker_id:
+                return  # a stale report from an attempt that already ended
+            with self.store.transaction() as tx:
+                tx.start(
+                    report.job_id,
+                    marks={"acquired": report.acquired, "prepared": report.prepared, "started": report.started},
+                    pid=report.pid,
+                    pid_created=report.pid_created,
+                )
+
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine]) -> None:
+        if not lines:
+            return
+        self.store.append_logs(job_id, attempt, lines)
+        with self._lock:
+            self._logs_changed.notify_all()
+
+    def task_finished(self, result: TaskResult) -> None:
+        now = self._clock()
+        with self._lock:
+            run = self._running.get(result.job_id)
+            if run is None or run.attempt != result.attempt or run.worker_id != result.worker_id:
+                return  # already ended (e.g. declared lost); never apply twice
+            cancel = run.cancel_requested
+            if not cancel and not (result.outcome == "exited" and result.exit_code == 0):
+                # A cancel from another process on this home is only in the store.
+                stored = self.store.get_job(result.job_id)
+                cancel = cancel or bool(stored and stored.cancel_requested)
+            state, again = jobs.next_state(
+                result, cancel_requested=cancel, attempt=run.attempt, max_retries=run.spec.max_retries
+            )
+            reason = jobs.describe_failure(result)
+            marks = dict(result.marks)
+            marks["finished"] = now
+            self._release(result.job_id)
+            if again:
+                self._requeue(result.job_id, run)
+            assignments = self._plan()
+            with self.store.transaction() as tx:
+                if again:
+                    tx.requeue(result.job_id, reason=f"retrying after attempt {run.attempt} {state}: {reason}",
+                               owner=self.instance_id)
+                else:
+                    tx.finish(result.job_id, state=state, exit_code=result.exit_code, reason=reason,
+                              marks=marks, outputs=result.outputs)
+                self._record(tx, assignments, now)
+            self._dispatch(assignments)
+            if not again:
+                self._signal_done(result.job_id)
+
+    # ---- recovery ------------------------------------------------------
+
+    def recover(self, dead_instance: str) -> list[str]:
+        """Take over the jobs of a control plane that died; returns their ids.
+
+        Its running jobs (whose processes are ended first) are retried within
+        their budget or end ``lost``; its queued jobs queue here.
+        """
+        now = self._clock()
+        touched: list[str] = []
+        with self._lock:
+            running = self.store.list_jobs(states=[jobs.RUNNING], owner=dead_instance)
+            for job in running:
+                if job.pid is not None and self._kill_orphan is not None:
+                    self._kill_orphan(job.pid, job.pid_created)
+            with self.store.transaction() as tx:
+                for job in running:
+                    reason = f"the GPUlayer process running it died (instance {dead_instance})"
+                    if job.attempt <= job.spec.max_retries:
+                        tx.requeue(job.id, reason=f"retrying: {reason}", owner=self.instance_id)
+                    else:
+                        tx.finish(job.id, state=jobs.LOST, exit_code=None, reason=reason,
+                                  marks={"finished": now}, outputs={})
+                    touched.append(job.id)
+                touched += tx.adopt_queued(dead_instance, self.instance_id)
+                tx.delete_workers(dead_instance)
+            for job in self.store.list_jobs(states=[jobs.QUEUED], owner=self.instance_id):
+                if job.id not in self._queue:
+                    self._queue[job.id] = _Pending(
+                        Request(job.id, job.spec.priority, job.seq, job.spec.gpus, job.spec.nodes), job.spec, job.attempt
+                    )
+            assignments = self._plan()
+            with self.store.transaction() as tx:
+                self._record(tx, assignments, now)
+            self._dispatch(assignments)
+        return touched
+
+    # ---- internals (call with self._lock held) -------------------------
+
+    def _open_workers(self) -> list[_LiveWorker]:
+        return [w for w in self._workers.values() if not w.closed]
+
+    def _plan(self) -> list[Assignment]:
+        if not self._queue:
+            return []
+        caps = [w.capacity() for w in self._open_workers() if w.free]
+        if not caps:
+            return []
+        return place((p.request for p in self._queue.values()), caps)
+
+    def _record(self, tx: Transaction, assignments: list[Assignment], now: float) -> None:
+        for a in assignments:
+            pending = self._queue[a.job_id]
+            tx.place(a.job_id, worker=a.worker_id, slots=a.slots, gpus=a.gpus, attempt=pending.attempt + 1, at=now)
+
+    def _dispatch(self, assignments: list[Assignment]) -> None:
+        """Apply committed placements in memory and wake the chosen workers."""
+        for a in assignments:
+            pending = self._queue.pop(a.job_id)
+            attempt = pending.attempt + 1
+            worker = self._workers[a.worker_id]
+            worker.free.difference_update(a.slots)
+            worker.running.add(a.job_id)
+            self._running[a.job_id] = _Running(a.worker_id, attempt, a.slots, pending.spec, pending.request.seq)
+            worker.inbox.append(
+                RunTask(job_id=a.job_id, attempt=attempt, spec=pending.spec, slots=list(a.slots), gpus=list(a.gpus))
+            )
+            worker.wake.notify()
+
+    def _release(self, job_id: str) -> _Running:
+        run = self._running.pop(job_id)
+        worker = self._workers.get(run.worker_id)
+        if worker is not None:
+            worker.free.update(run.slots)
+            worker.running.discard(job_id)
+        return run
+
+    def _requeue(self, job_id: str, run: _Running) -> None:
+        spec = run.spec
+        self._queue[job_id] = _Pending(Request(job_id, spec.priority, run.seq, spec.gpus, spec.nodes), spec, run.attempt)
+
+    def _end_lost(self, tx: Transaction, run: _Running, job_id: str, reason: str, now: float) -> None:
+        if run.attempt <= run.spec.max_retries:
+            self._requeue(job_id, run)
+            tx.requeue(job_id, reason=f"retrying: {reason}", owner=self.instance_id)
+        else:
+            tx.finish(job_id, state=jobs.LOST, exit_code=None, reason=reason, marks={"finished": now}, outputs={})
+            self._signal_done(job_id)
+
+    def _signal_done(self, job_id: str) -> None:
+        event = self._done.pop(job_id, None)
+        if event is not None:
+            event.set()
+        self._logs_changed.notify_all()

@@ -1,0 +1,129 @@
+"""The job spec: what a user submits, validated before anything is stored.
+
+A spec arrives as keyword arguments (Python), flags (CLI), YAML or JSON (HTTP).
+All of them go through :func:`parse_spec`, which either returns a
+:class:`JobSpec` or raises :class:`~gpulayer.errors.SpecError` naming the field
+and the reason. Paths in a spec are already resolved to artifacts: the client
+packs the source directory and inputs first (see ``client.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from .errors import SpecError
+
+Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+LAUNCHERS = ("direct", "torchrun")
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class ArtifactRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A stored file or directory tree: its digest (blob or manifest) and size."""
+
+    kind: Literal["file", "dir"]
+    digest: Digest
+    size: NonNegInt = 0
+
+
+class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What to run, with what, and how.
+
+    Exactly one of ``command`` (any argv) or ``script`` (a Python file inside
+    the bundle, run with the worker's interpreter) is set.
+    """
+
+    command: list[str] | None = None
+    script: str | None = None
+    args: list[str] = []
+    bundle: Digest | None = None
+    inputs: dict[str, ArtifactRef] = {}
+    outputs: list[str] = []
+    env: dict[str, str] = {}
+    gpus: NonNegInt = 0
+    nodes: PosInt = 1
+    procs_per_node: PosInt = 1
+    launcher: Literal["direct", "torchrun"] | None = None
+    priority: int = 0
+    max_retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0
+    timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    name: str | None = None
+    labels: dict[str, str] = {}
+
+
+_FIELD_RE = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def parse_spec(data: Mapping[str, Any] | JobSpec) -> JobSpec:
+    """Validate ``data`` into a :class:`JobSpec`, or raise ``SpecError``."""
+    if isinstance(data, JobSpec):
+        spec = data
+    else:
+        try:
+            spec = msgspec.convert(dict(data), JobSpec, strict=True)
+        except msgspec.ValidationError as exc:
+            message = str(exc)
+            match = _FIELD_RE.search(message)
+            field = match.group(1) if match else _unknown_field(message)
+            reason = _FIELD_RE.sub("", message).strip(" -")
+            raise SpecError(field or "spec", reason) from None
+    check_spec(spec)
+    return spec
+
+
+def _unknown_field(message: str) -> str:
+    match = re.search(r"unknown field `([^`]*)`", message)
+    return match.group(1) if match else ""
+
+
+def check_spec(spec: JobSpec) -> None:
+    """The rules a type cannot express; raises ``SpecError``."""
+    if (spec.command is None) == (spec.script is None):
+        raise SpecError("command", "give exactly one of a script or a command")
+    if spec.command is not None and (not spec.command or not spec.command[0]):
+        raise SpecError("command", "must name a program to run, got an empty command")
+    if spec.script is not None:
+        check_relative_path("script", spec.script)
+        if spec.bundle is None:
+            raise SpecError("bundle", "a script job needs the bundle holding its script")
+    for index, path in enumerate(spec.outputs):
+        check_relative_path(f"outputs[{index}]", path)
+    for name in spec.inputs:
+        check_input_name(name)
+    for key in spec.env:
+        if not _ENV_RE.match(key):
+            raise SpecError(f"env.{key}", "not a valid environment variable name")
+    if spec.name is not None and not spec.name.strip():
+        raise SpecError("name", "must not be blank")
+    if spec.nodes > 1 or spec.procs_per_node > 1:
+        raise SpecError(
+            "nodes",
+            f"distributed jobs (nodes={spec.nodes}, procs_per_node={spec.procs_per_node}) "
+            "need the distributed launcher, which this version does not have yet",
+        )
+
+
+def check_relative_path(field: str, path: str) -> None:
+    """A path inside the workspace: relative, no '..', no NUL."""
+    if not path or "\x00" in path:
+        raise SpecError(field, "must be a non-empty path")
+    if path.startswith("/") or re.match(r"^[A-Za-z]:[\\/]", path):
+        raise SpecError(field, f"must be relative to the job's workspace, got absolute path {path!r}")
+    if ".." in re.split(r"[\\/]", path):
+        raise SpecError(field, f"must stay inside the job's workspace, got {path!r}")
+
+
+def check_input_name(name: str) -> None:
+    if not _NAME_RE.match(name):
+        raise SpecError(
+            f"inputs.{name}",
+            "an input name is 1-128 letters, digits, '_', '.' or '-', not starting with '.' or '-'",
+        )

@@ -1,0 +1,100 @@
+"""Where jobs, logs and workers are kept.
+
+:class:`Store` is the interface the control plane uses; ``sqlite.py`` is the
+embedded implementation. A PostgreSQL store implements the same methods and
+nothing above this package changes. Writes happen inside
+:meth:`Store.transaction`, so each step of a job's life is one atomic commit.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+
+from ..jobs import JobInfo, LogLine, WorkerInfo
+from ..spec import ArtifactRef
+
+
+class Transaction(abc.ABC):
+    """The writes that make up one atomic step."""
+
+    @abc.abstractmethod
+    def insert_job(self, job: JobInfo) -> None: ...
+
+    @abc.abstractmethod
+    def place(
+        self, job_id: str, *, worker: str, slots: Sequence[int], gpus: Sequence[int], attempt: int, at: float
+    ) -> None: ...
+
+    @abc.abstractmethod
+    def start(self, job_id: str, *, marks: dict[str, float], pid: int, pid_created: float | None) -> None: ...
+
+    @abc.abstractmethod
+    def finish(
+        self,
+        job_id: str,
+        *,
+        state: str,
+        exit_code: int | None,
+        reason: str | None,
+        marks: dict[str, float],
+        outputs: dict[str, ArtifactRef],
+    ) -> None: ...
+
+    @abc.abstractmethod
+    def requeue(self, job_id: str, *, reason: str | None, owner: str) -> None: ...
+
+    @abc.abstractmethod
+    def request_cancel(self, job_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def adopt_queued(self, from_owner: str, to_owner: str) -> list[str]: ...
+
+    @abc.abstractmethod
+    def upsert_worker(self, worker: WorkerInfo) -> None: ...
+
+    @abc.abstractmethod
+    def delete_worker(self, worker_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def delete_workers(self, instance: str) -> None: ...
+
+
+class Store(abc.ABC):
+    @abc.abstractmethod
+    def transaction(self) -> AbstractContextManager[Transaction]: ...
+
+    @abc.abstractmethod
+    def get_job(self, job_id: str) -> JobInfo | None: ...
+
+    @abc.abstractmethod
+    def find_job(self, prefix: str) -> list[str]:
+        """Ids starting with ``prefix`` (at most 2: enough to tell unique from ambiguous)."""
+
+    @abc.abstractmethod
+    def list_jobs(
+        self, *, states: Iterable[str] = (), owner: str | None = None, limit: int | None = None
+    ) -> list[JobInfo]: ...
+
+    @abc.abstractmethod
+    def append_logs(self, job_id: str, attempt: int, lines: Sequence[LogLine]) -> None: ...
+
+    @abc.abstractmethod
+    def read_logs(
+        self, job_id: str, after: tuple[int, int] = (0, 0), limit: int = 10_000
+    ) -> list[tuple[int, LogLine]]:
+        """Lines after the (attempt, seq) cursor, as (attempt, line) pairs."""
+
+    @abc.abstractmethod
+    def list_workers(self) -> list[WorkerInfo]: ...
+
+    @abc.abstractmethod
+    def owners(self) -> set[str]:
+        """Every control-plane instance that owns a job that is not final."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+__all__ = ["Store", "Transaction"]

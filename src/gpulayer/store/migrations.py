@@ -1,0 +1,60 @@
+"""The SQLite schema, as numbered migrations.
+
+``PRAGMA user_version`` records how many have been applied. A migration is
+never edited once released: add a new one. A database newer than this code is
+refused rather than misread.
+"""
+
+from __future__ import annotations
+
+MIGRATIONS: tuple[str, ...] = (
+    # 1: jobs, their logs and outputs, workers.
+    """
+    CREATE TABLE jobs (
+        id TEXT PRIMARY KEY,
+        seq INTEGER NOT NULL,
+        name TEXT,
+        state TEXT NOT NULL,
+        priority INTEGER NOT NULL,
+        spec BLOB NOT NULL,
+        attempt INTEGER NOT NULL DEFAULT 0,
+        owner TEXT,
+        worker TEXT,
+        slots TEXT NOT NULL DEFAULT '[]',
+        gpus TEXT NOT NULL DEFAULT '[]',
+        exit_code INTEGER,
+        reason TEXT,
+        cancel_requested INTEGER NOT NULL DEFAULT 0,
+        pid INTEGER,
+        pid_created REAL,
+        marks TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX jobs_by_state ON jobs (state, priority DESC, seq);
+    CREATE INDEX jobs_by_owner ON jobs (owner, state);
+    CREATE INDEX jobs_by_seq ON jobs (seq);
+    CREATE TABLE logs (
+        job_id TEXT NOT NULL,
+        attempt INTEGER NOT NULL,
+        seq INTEGER NOT NULL,
+        ts REAL NOT NULL,
+        stream TEXT NOT NULL,
+        text TEXT NOT NULL,
+        PRIMARY KEY (job_id, attempt, seq)
+    ) WITHOUT ROWID;
+    CREATE TABLE outputs (
+        job_id TEXT NOT NULL,
+        path TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        digest TEXT NOT NULL,
+        size INTEGER NOT NULL,
+        PRIMARY KEY (job_id, path)
+    ) WITHOUT ROWID;
+    CREATE TABLE workers (
+        id TEXT PRIMARY KEY,
+        instance TEXT,
+        info BLOB NOT NULL
+    );
+    """,
+)
+
+LATEST = len(MIGRATIONS)

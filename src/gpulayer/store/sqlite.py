@@ -1,0 +1,280 @@
+"""The embedded store: one SQLite file in WAL mode under the GPUlayer home.
+
+WAL lets readers (``gpulayer jobs`` in another terminal) run beside the writer.
+``synchronous=NORMAL`` makes a commit survive a crash of the process (the case
+GPUlayer promises to recover from) without an fsync per job; a power cut may
+lose the last moments of history. See ADR-0003.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import msgspec
+
+from ..errors import StoreError
+from ..jobs import FINAL_STATES, JobInfo, LogLine, WorkerInfo
+from ..spec import ArtifactRef, JobSpec
+from . import Store, Transaction
+from .migrations import LATEST, MIGRATIONS
+
+_encode = msgspec.json.encode
+_decode_spec = msgspec.json.Decoder(JobSpec).decode
+_decode_marks = msgspec.json.Decoder(dict[str, float]).decode
+_decode_ints = msgspec.json.Decoder(list[int]).decode
+_decode_worker = msgspec.json.Decoder(WorkerInfo).decode
+
+_JOB_COLUMNS = (
+    "id, seq, state, spec, attempt, owner, worker, slots, gpus, exit_code, reason, "
+    "cancel_requested, pid, pid_created, marks"
+)
+_FINAL = tuple(sorted(FINAL_STATES))
+
+
+def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> JobInfo:
+    (jid, seq, state, spec, attempt, owner, worker, slots, gpus, code, reason, cancel, pid, pcreated, marks) = row
+    return JobInfo(
+        id=str(jid),
+        seq=int(seq),  # type: ignore[call-overload]
+        state=str(state),
+        spec=_decode_spec(spec),  # type: ignore[arg-type]
+        attempt=int(attempt),  # type: ignore[call-overload]
+        owner=owner,  # type: ignore[arg-type]
+        worker=worker,  # type: ignore[arg-type]
+        slots=_decode_ints(slots),  # type: ignore[arg-type]
+        gpus=_decode_ints(gpus),  # type: ignore[arg-type]
+        exit_code=code,  # type: ignore[arg-type]
+        reason=reason,  # type: ignore[arg-type]
+        cancel_requested=bool(cancel),
+        pid=pid,  # type: ignore[arg-type]
+        pid_created=pcreated,  # type: ignore[arg-type]
+        marks=_decode_marks(marks),  # type: ignore[arg-type]
+        outputs=outputs,
+    )
+
+
+class _SqliteTransaction(Transaction):
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def _merge_marks(self, job_id: str, marks: dict[str, float]) -> None:
+        # json_patch merges in SQL: no read-modify-write round trip.
+        self.db.execute(
+            "UPDATE jobs SET marks = json_patch(marks, ?) WHERE id = ?", (_encode(marks), job_id)
+        )
+
+    def insert_job(self, job: JobInfo) -> None:
+        self.db.execute(
+            "INSERT INTO jobs (id, seq, name, state, priority, spec, owner, marks) VALUES (?,?,?,?,?,?,?,?)",
+            (job.id, job.seq, job.spec.name, job.state, job.spec.priority, _encode(job.spec), job.owner, _encode(job.marks)),
+        )
+
+    def place(
+        self, job_id: str, *, worker: str, slots: Sequence[int], gpus: Sequence[int], attempt: int, at: float
+    ) -> None:
+        self.db.execute(
+            "UPDATE jobs SET state='running', worker=?, slots=?, gpus=?, attempt=?, reason=NULL, "
+            "exit_code=NULL, marks=json_set(marks, '$.placed', ?) WHERE id=?",
+            (worker, _encode(list(slots)), _encode(list(gpus)), attempt, at, job_id),
+        )
+
+    def start(self, job_id: str, *, marks: dict[str, float], pid: int, pid_created: float | None) -> None:
+        self.db.execute(
+            "UPDATE jobs SET pid=?, pid_created=?, marks=json_patch(marks, ?) WHERE id=?",
+            (pid, pid_created, _encode(marks), job_id),
+        )
+
+    def finish(
+        self,
+        job_id: str,
+        *,
+        state: str,
+        exit_code: int | None,
+        reason: str | None,
+        marks: dict[str, float],
+        outputs: dict[str, ArtifactRef],
+    ) -> None:
+        self.db.execute(
+            "UPDATE jobs SET state=?, exit_code=?, reason=?, pid=NULL, marks=json_patch(marks, ?) WHERE id=?",
+            (state, exit_code, reason, _encode(marks), job_id),
+        )
+        if outputs:
+            self.db.executemany(
+                "INSERT OR REPLACE INTO outputs (job_id, path, kind, digest, size) VALUES (?,?,?,?,?)",
+                [(job_id, path, ref.kind, ref.digest, ref.size) for path, ref in outputs.items()],
+            )
+
+    def requeue(self, job_id: str, *, reason: str | None, owner: str) -> None:
+        # Marks after 'submitted' describe the attempt that ended; start afresh.
+        self.db.execute(
+            "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, owner=?, "
+            "reason=?, marks=json_object('submitted', json_extract(marks, '$.submitted')) WHERE id=?",
+            (owner, reason, job_id),
+        )
+
+    def request_cancel(self, job_id: str) -> None:
+        self.db.execute("UPDATE jobs SET cancel_requested=1 WHERE id=?", (job_id,))
+
+    def adopt_queued(self, from_owner: str, to_owner: str) -> list[str]:
+        rows = self.db.execute(
+            "UPDATE jobs SET owner=? WHERE owner=? AND state='queued' RETURNING id", (to_owner, from_owner)
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    def upsert_worker(self, worker: WorkerInfo) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO workers (id, instance, info) VALUES (?,?,?)",
+            (worker.id, worker.instance, _encode(worker)),
+        )
+
+    def delete_worker(self, worker_id: str) -> None:
+        self.db.execute("DELETE FROM workers WHERE id=?", (worker_id,))
+
+    def delete_workers(self, instance: str) -> None:
+        self.db.execute("DELETE FROM workers WHERE instance=?", (instance,))
+
+
+class SqliteStore(Store):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(
+                path, isolation_level=None, check_same_thread=False, timeout=30.0
+            )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the job store at {path}: {exc}") from None
+        # One connection, used by one thread at a time: the control plane's
+        # threads are few and each statement is short.
+        self._lock = threading.RLock()
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                version = self._db.execute("PRAGMA user_version").fetchone()[0]
+                if version > LATEST:
+                    raise StoreError(
+                        f"the job store at {self.path} has schema version {version}, newer than "
+                        f"this GPUlayer understands ({LATEST}); upgrade GPUlayer to use it"
+                    )
+                for number in range(version, LATEST):
+                    for statement in MIGRATIONS[number].split(";"):
+                        if statement.strip():
+                            self._db.execute(statement)
+                    self._db.execute(f"PRAGMA user_version = {number + 1}")
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    @property
+    def schema_version(self) -> int:
+        with self._lock:
+            return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    @contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield _SqliteTransaction(self._db)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _outputs(self, job_ids: Sequence[str]) -> dict[str, dict[str, ArtifactRef]]:
+        found: dict[str, dict[str, ArtifactRef]] = {}
+        if not job_ids:
+            return found
+        marks = ",".join("?" * len(job_ids))
+        for jid, path, kind, digest, size in self._db.execute(
+            f"SELECT job_id, path, kind, digest, size FROM outputs WHERE job_id IN ({marks})", job_ids
+        ):
+            found.setdefault(jid, {})[path] = ArtifactRef(kind=kind, digest=digest, size=size)
+        return found
+
+    def get_job(self, job_id: str) -> JobInfo | None:
+        with self._lock:
+            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id=?", (job_id,)).fetchone()
+            if row is None:
+                return None
+            return _job_from_row(row, self._outputs([job_id]).get(job_id, {}))
+
+    def find_job(self, prefix: str) -> list[str]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT id FROM jobs WHERE id >= ? AND id < ? ORDER BY id LIMIT 2", (prefix, prefix + "\uffff")
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def list_jobs(
+        self, *, states: Iterable[str] = (), owner: str | None = None, limit: int | None = None
+    ) -> list[JobInfo]:
+        where, params = [], []
+        states = tuple(states)
+        if states:
+            where.append(f"state IN ({','.join('?' * len(states))})")
+            params.extend(states)
+        if owner is not None:
+            where.append("owner = ?")
+            params.append(owner)
+        sql = f"SELECT {_JOB_COLUMNS} FROM jobs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY seq DESC"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        with self._lock:
+            rows = self._db.execute(sql, params).fetchall()
+            outputs = self._outputs([r[0] for r in rows])
+        return [_job_from_row(r, outputs.get(r[0], {})) for r in rows]
+
+    def next_seq(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0])
+
+    def append_logs(self, job_id: str, attempt: int, lines: Sequence[LogLine]) -> None:
+        with self._lock:
+            self._db.executemany(
+                "INSERT OR IGNORE INTO logs (job_id, attempt, seq, ts, stream, text) VALUES (?,?,?,?,?,?)",
+                [(job_id, attempt, ln.seq, ln.ts, ln.stream, ln.text) for ln in lines],
+            )
+
+    def read_logs(
+        self, job_id: str, after: tuple[int, int] = (0, 0), limit: int = 10_000
+    ) -> list[tuple[int, LogLine]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT attempt, seq, ts, stream, text FROM logs WHERE job_id=? AND (attempt, seq) > (?, ?) "
+                "ORDER BY attempt, seq LIMIT ?",
+                (job_id, after[0], after[1], limit),
+            ).fetchall()
+        return [(a, LogLine(seq=s, ts=t, stream=st, text=tx)) for a, s, t, st, tx in rows]
+
+    def list_workers(self) -> list[WorkerInfo]:
+        with self._lock:
+            rows = self._db.execute("SELECT info FROM workers ORDER BY id").fetchall()
+        return [_decode_worker(r[0]) for r in rows]
+
+    def owners(self) -> set[str]:
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT DISTINCT owner FROM jobs WHERE owner IS NOT NULL AND state NOT IN ({','.join('?' * len(_FINAL))}) "
+                "UNION SELECT DISTINCT instance FROM workers WHERE instance IS NOT NULL",
+                _FINAL,
+            ).fetchall()
+        return {r[0] for r in rows}
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

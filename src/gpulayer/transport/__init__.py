@@ -1,0 +1,83 @@
+"""How clients and workers reach a control plane.
+
+:class:`Transport` is the one interface both use. ``inprocess.py`` calls an
+embedded :class:`~gpulayer.service.ControlPlane` directly; an HTTP transport
+implements the same methods against a server. Blobs move through it too, so a
+worker never needs to know where the control plane keeps them.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from ..artifacts import ArtifactStore
+from ..jobs import Instruction, JobInfo, LogChunk, LogLine, TaskResult, TaskStarted, WorkerInfo
+from ..spec import JobSpec
+
+
+class Transport(abc.ABC):
+    # ---- clients ----
+    @abc.abstractmethod
+    def submit(self, spec: JobSpec) -> JobInfo: ...
+
+    @abc.abstractmethod
+    def get_job(self, job_id: str) -> JobInfo: ...
+
+    @abc.abstractmethod
+    def list_jobs(self, *, states: Iterable[str] = (), limit: int | None = None) -> list[JobInfo]: ...
+
+    @abc.abstractmethod
+    def wait(self, job_id: str, timeout: float | None) -> JobInfo: ...
+
+    @abc.abstractmethod
+    def cancel(self, job_id: str) -> JobInfo: ...
+
+    @abc.abstractmethod
+    def read_logs(self, job_id: str, after: tuple[int, int], timeout: float) -> LogChunk: ...
+
+    @abc.abstractmethod
+    def list_workers(self) -> list[WorkerInfo]: ...
+
+    @abc.abstractmethod
+    def missing_blobs(self, digests: Iterable[str]) -> set[str]:
+        """Which of ``digests`` the control plane does not hold yet."""
+
+    @abc.abstractmethod
+    def upload_blob(
+        self, path: Path, digest: str | None = None, on_progress: Callable[[int], None] | None = None
+    ) -> str:
+        """Store the file's bytes (skipped when ``digest`` is already held); return its digest."""
+
+    @abc.abstractmethod
+    def upload_bytes(self, data: bytes) -> str: ...
+
+    @abc.abstractmethod
+    def download_blob(self, digest: str, cache: ArtifactStore) -> Path:
+        """Make ``digest`` present in ``cache`` (a no-op on a hit); return its path."""
+
+    # ---- workers ----
+    @abc.abstractmethod
+    def register_worker(self, info: WorkerInfo) -> WorkerInfo: ...
+
+    @abc.abstractmethod
+    def unregister_worker(self, worker_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def acquire(self, worker_id: str, timeout: float) -> list[Instruction]: ...
+
+    @abc.abstractmethod
+    def task_started(self, report: TaskStarted) -> None: ...
+
+    @abc.abstractmethod
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine]) -> None: ...
+
+    @abc.abstractmethod
+    def task_finished(self, result: TaskResult) -> None: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; the default holds none."""
+
+
+__all__ = ["Transport"]

@@ -1,0 +1,78 @@
+"""The transport for an embedded control plane: plain method calls."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from ..artifacts import ArtifactStore
+from ..errors import ArtifactError
+from ..jobs import Instruction, JobInfo, LogChunk, LogLine, TaskResult, TaskStarted, WorkerInfo
+from ..service import ControlPlane
+from ..spec import JobSpec
+from . import Transport
+
+
+class InProcessTransport(Transport):
+    def __init__(self, plane: ControlPlane, artifacts: ArtifactStore) -> None:
+        self.plane = plane
+        self.artifacts = artifacts
+
+    def submit(self, spec: JobSpec) -> JobInfo:
+        return self.plane.submit(spec)
+
+    def get_job(self, job_id: str) -> JobInfo:
+        return self.plane.get(job_id)
+
+    def list_jobs(self, *, states: Iterable[str] = (), limit: int | None = None) -> list[JobInfo]:
+        return self.plane.list_jobs(states=states, limit=limit)
+
+    def wait(self, job_id: str, timeout: float | None) -> JobInfo:
+        return self.plane.wait(job_id, timeout)
+
+    def cancel(self, job_id: str) -> JobInfo:
+        return self.plane.cancel(job_id)
+
+    def read_logs(self, job_id: str, after: tuple[int, int], timeout: float) -> LogChunk:
+        return self.plane.read_logs(job_id, after, timeout)
+
+    def list_workers(self) -> list[WorkerInfo]:
+        return self.plane.list_workers()
+
+    def missing_blobs(self, digests: Iterable[str]) -> set[str]:
+        return {d for d in digests if not self.artifacts.has(d)}
+
+    def upload_blob(
+        self, path: Path, digest: str | None = None, on_progress: Callable[[int], None] | None = None
+    ) -> str:
+        return self.artifacts.put_file(path, digest=digest, on_progress=on_progress)
+
+    def upload_bytes(self, data: bytes) -> str:
+        return self.artifacts.put_bytes(data)
+
+    def download_blob(self, digest: str, cache: ArtifactStore) -> Path:
+        if cache.root == self.artifacts.root:
+            if not self.artifacts.has(digest):
+                raise ArtifactError(f"artifact {digest} is not in the store at {self.artifacts.root}")
+            return self.artifacts.path(digest)
+        if not cache.has(digest):
+            cache.link_from(self.artifacts.path(digest), digest)
+        return cache.path(digest)
+
+    def register_worker(self, info: WorkerInfo) -> WorkerInfo:
+        return self.plane.register_worker(info)
+
+    def unregister_worker(self, worker_id: str) -> None:
+        self.plane.unregister_worker(worker_id)
+
+    def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
+        return self.plane.acquire(worker_id, timeout)
+
+    def task_started(self, report: TaskStarted) -> None:
+        self.plane.task_started(report)
+
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine]) -> None:
+        self.plane.append_logs(job_id, attempt, lines)
+
+    def task_finished(self, result: TaskResult) -> None:
+        self.plane.task_finished(result)

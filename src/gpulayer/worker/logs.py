@@ -1,0 +1,134 @@
+"""Shipping a task's output to the control plane without ever blocking it.
+
+Reader threads hand each line to a :class:`TaskLog`; one :class:`LogSender`
+thread per worker collects lines for :data:`~gpulayer.defaults.LOG_BATCH_INTERVAL_S`
+after the first arrives, then sends every task's batch in one call each. A
+task's last lines are flushed synchronously when it ends, so a client that
+wakes on the job's end sees all of its output. Each task buffers at most
+``max_lines`` unsent lines: past that the oldest are dropped and a system
+line says how many, so a job that floods output cannot exhaust memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from .. import defaults
+from ..jobs import LogLine
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[str, int, list[LogLine]], None]
+
+
+class TaskLog:
+    def __init__(self, sender: LogSender, job_id: str, attempt: int) -> None:
+        self.sender = sender
+        self.job_id = job_id
+        self.attempt = attempt
+        self.pending: deque[LogLine] = deque()
+        self.seq = 0
+        self.dropped = 0
+        self._send_lock = threading.Lock()  # one batch of this task in flight at a time
+
+    def add(self, stream: str, text: str) -> None:
+        sender = self.sender
+        with sender.cond:
+            self.seq += 1
+            if len(self.pending) >= sender.max_lines:
+                self.pending.popleft()
+                self.dropped += 1
+            self.pending.append(LogLine(self.seq, time.time(), stream, text))  # type: ignore[arg-type]
+            if not sender.dirty:
+                sender.dirty = True
+                sender.cond.notify()
+
+    def flush(self) -> None:
+        """Send everything buffered now (called as the task ends)."""
+        self.sender.send_task(self)
+
+    def take(self) -> list[LogLine]:
+        """Pending lines (caller holds the sender's lock)."""
+        lines = list(self.pending)
+        self.pending.clear()
+        if self.dropped:
+            self.seq += 1
+            note = f"[gpulayer] {self.dropped} lines dropped: output came faster than it could be shipped"
+            lines.append(LogLine(self.seq, time.time(), "system", note))
+            self.dropped = 0
+        return lines
+
+
+class LogSender:
+    def __init__(
+        self,
+        send: Send,
+        *,
+        interval: float = defaults.LOG_BATCH_INTERVAL_S,
+        max_lines: int = defaults.LOG_BUFFER_MAX_LINES,
+    ) -> None:
+        self._send = send
+        self.interval = interval
+        self.max_lines = max_lines
+        self.cond = threading.Condition()
+        self.dirty = False
+        self._tasks: set[TaskLog] = set()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="gpulayer-log-sender", daemon=True)
+        self._thread.start()
+
+    def open(self, job_id: str, attempt: int) -> TaskLog:
+        task = TaskLog(self, job_id, attempt)
+        with self.cond:
+            self._tasks.add(task)
+        return task
+
+    def close_task(self, task: TaskLog) -> None:
+        self.send_task(task)
+        with self.cond:
+            self._tasks.discard(task)
+
+    def send_task(self, task: TaskLog) -> None:
+        with task._send_lock:
+            with self.cond:
+                lines = task.take()
+            if lines:
+                self._deliver(task, lines)
+
+    def _deliver(self, task: TaskLog, lines: list[LogLine]) -> None:
+        try:
+            self._send(task.job_id, task.attempt, lines)
+        except Exception:
+            # Keep the lines (within the bound) for the next batch.
+            log.warning("could not send %d log lines of job %s; will retry", len(lines), task.job_id, exc_info=True)
+            with self.cond:
+                task.pending.extendleft(reversed(lines[-self.max_lines :]))
+                self.dirty = True
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.dirty and not self._stopped:
+                    self.cond.wait()
+                if self._stopped:
+                    return
+            # Let a batch build up: one send per interval, not one per line.
+            with self.cond:
+                self.cond.wait_for(lambda: self._stopped, timeout=self.interval)
+                self.dirty = False
+                tasks = list(self._tasks)
+            for task in tasks:
+                self.send_task(task)
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stopped = True
+            tasks = list(self._tasks)
+            self.cond.notify_all()
+        self._thread.join()
+        for task in tasks:
+            self.send_task(task)

@@ -1,0 +1,143 @@
+"""The worker: offers slots, takes tasks by long poll, runs them, reports back.
+
+Its life, in steps:
+
+1. Detect GPUs (one slot per GPU) or take ``slots`` CPU slots.
+2. Register with the control plane; get an id.
+3. Loop: ``acquire`` (a long poll that returns the moment work is placed
+   here) and act on each instruction: start a :class:`TaskRun` thread for a
+   task, or stop one that was cancelled.
+4. On stop: end running tasks (they are reported ``lost`` and retried within
+   their budget), flush their logs, and unregister.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from .. import defaults
+from ..artifacts import ArtifactStore
+from ..errors import WorkerError
+from ..jobs import CancelTask, RunTask, WorkerInfo
+from ..transport import Transport
+from .gpus import Gpu, detect_gpus
+from .logs import LogSender
+from .task import TaskRun
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        cache: ArtifactStore,
+        work_dir: Path,
+        name: str | None = None,
+        slots: int | None = None,
+        gpus: list[Gpu] | None = None,
+        kill_grace: float = defaults.KILL_GRACE_S,
+    ) -> None:
+        if slots is not None and slots < 1:
+            raise WorkerError(f"a worker needs at least one slot, got slots={slots}")
+        self.transport = transport
+        self.cache = cache
+        self.work_dir = work_dir
+        self.kill_grace = kill_grace
+        self.gpus = detect_gpus() if gpus is None else gpus
+        vendors = {g.vendor for g in self.gpus}
+        if len(vendors) > 1:
+            raise WorkerError("a worker drives one GPU vendor; start one worker per vendor with --gpus")
+        self.vendor = vendors.pop() if vendors else None
+        if self.gpus and slots is not None and slots != len(self.gpus):
+            raise WorkerError(f"this machine has {len(self.gpus)} GPUs: a GPU worker has one slot per GPU, not {slots}")
+        slot_gpus: list[int | None] = [g.index for g in self.gpus] if self.gpus else [None] * (slots or 1)
+        self.info = WorkerInfo(
+            id="",
+            name=name or f"{socket.gethostname()}-{os.getpid()}",
+            host=socket.gethostname(),
+            slot_gpus=slot_gpus,
+            gpu_vendor=self.vendor,
+            gpu_names=[g.name for g in self.gpus],
+        )
+        self._tasks: dict[tuple[str, int], TaskRun] = {}
+        self._tasks_lock = threading.Lock()
+        self._idle = threading.Condition(self._tasks_lock)
+        self._stopping = threading.Event()
+        self._logs = LogSender(transport.append_logs)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    def start(self) -> None:
+        self.info = self.transport.register_worker(self.info)
+        self.tasks_dir = self.work_dir / self.info.id
+        self._thread = threading.Thread(target=self._loop, name=f"gpulayer-worker-{self.info.id}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                instructions = self.transport.acquire(self.info.id, defaults.ACQUIRE_TIMEOUT_S)
+            except Exception:
+                if self._stopping.is_set():
+                    return
+                log.exception("worker %s: acquire failed", self.info.id)
+                raise
+            now = time.time()
+            for instruction in instructions:
+                if isinstance(instruction, RunTask):
+                    self._start_task(instruction, now)
+                elif isinstance(instruction, CancelTask):
+                    with self._tasks_lock:
+                        run = self._tasks.get((instruction.job_id, instruction.attempt))
+                    if run is not None:
+                        run.stop("cancelled")
+
+    def _start_task(self, task: RunTask, acquired: float) -> None:
+        run = TaskRun(
+            task,
+            worker_id=self.info.id,
+            transport=self.transport,
+            logs=self._logs,
+            cache=self.cache,
+            root=self.tasks_dir,
+            gpu_vendor=self.vendor,
+            kill_grace=self.kill_grace,
+            acquired=acquired,
+            on_done=self._task_done,
+        )
+        with self._tasks_lock:
+            self._tasks[run.key] = run
+        run.start()
+
+    def _task_done(self, run: TaskRun) -> None:
+        with self._tasks_lock:
+            self._tasks.pop(run.key, None)
+            self._idle.notify_all()
+
+    def running(self) -> int:
+        with self._tasks_lock:
+            return len(self._tasks)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End running tasks (reported lost), then leave the control plane."""
+        self._stopping.set()
+        with self._tasks_lock:
+            runs = list(self._tasks.values())
+        for run in runs:
+            run.stop("lost")
+        with self._tasks_lock:
+            self._idle.wait_for(lambda: not self._tasks, timeout)
+        self._logs.stop()
+        self.transport.unregister_worker(self.info.id)
+        if self._thread is not None:
+            self._thread.join(timeout)
