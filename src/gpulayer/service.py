@@ -106,6 +106,9 @@ class ControlPlane:
 
     def resolve(self, job_id: str) -> str:
         """A full id from an id or a unique prefix of one."""
+        with self._lock:
+            if job_id in self._queue or job_id in self._running:
+                return job_id
         found = self.store.find_job(job_id)
         if job_id in found:
             return job_id
@@ -116,7 +119,7 @@ class ControlPlane:
         raise JobNotFoundError(f"{job_id!r} matches several jobs; give more of the id")
 
     def get(self, job_id: str) -> JobInfo:
-        job = self.store.get_job(self.resolve(job_id))
+        job = self.store.get_job(job_id) or self.store.get_job(self.resolve(job_id))
         assert job is not None
         if job.state == jobs.QUEUED and job.reason is None:
             with self._lock:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -50,7 +50,7 @@ class TaskRun:
         transport: Transport,
         logs: LogSender,
         cache: ArtifactStore,
-        root: Path,
+        task_dir: Path,
         gpu_vendor: Vendor | None,
         kill_grace: float,
         acquired: float,
@@ -61,14 +61,17 @@ class TaskRun:
         self.transport = transport
         self.logs = logs
         self.cache = cache
-        self.dir = root / f"{task.job_id}-{task.attempt}"
+        self.dir = task_dir
         self.gpu_vendor = gpu_vendor
         self.kill_grace = kill_grace
         self.marks = {"acquired": acquired}
         self.on_done = on_done
         self._lock = threading.Lock()
         self._ending: Outcome | None = None  # why we are ending it early, if we are
-        self._proc: object | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tasklog: TaskLog | None = None
+        self._early: TaskResult | None = None  # the result when it never ran
+        self._cwd = task_dir
         self._stderr_tail: deque[str] = deque(maxlen=defaults.STDERR_TAIL_LINES)
         self.thread = threading.Thread(target=self._run, name=f"gpulayer-task-{task.job_id}", daemon=True)
 
@@ -77,6 +80,15 @@ class TaskRun:
         return (self.task.job_id, self.task.attempt)
 
     def start(self) -> None:
+        """Launch the task and watch it on its own thread.
+
+        A task that needs nothing fetched (no bundle, no inputs) is launched
+        right here, on the worker's dispatch thread: the process starts
+        without waiting for a new thread to be scheduled first.
+        """
+        spec = self.task.spec
+        if spec.bundle is None and not spec.inputs:
+            self._launch_guarded()
         self.thread.start()
 
     def stop(self, why: Outcome) -> None:
@@ -102,23 +114,36 @@ class TaskRun:
             **fields,  # type: ignore[arg-type]
         )
 
-    def _run(self) -> None:
-        tasklog = self.logs.open(self.task.job_id, self.task.attempt)
+    def _launch_guarded(self) -> None:
+        self._tasklog = self.logs.open(self.task.job_id, self.task.attempt)
         try:
-            result = self._execute(tasklog)
+            self._proc = self._launch()
         except Exception as exc:  # prepare or spawn failed: the job could not run
             log.debug("task %s could not run", self.task.job_id, exc_info=True)
-            result = self._result("error", error=f"{type(exc).__name__}: {exc}")
-        self.logs.close_task(tasklog)
+            self._early = self._result("error", error=f"{type(exc).__name__}: {exc}")
+
+    def _run(self) -> None:
+        if self._tasklog is None:
+            self._launch_guarded()
+        assert self._tasklog is not None
+        result = self._early
+        if result is None:
+            try:
+                result = self._supervise(self._tasklog)
+            except Exception as exc:
+                log.exception("task %s: supervising failed", self.task.job_id)
+                result = self._result("error", error=f"{type(exc).__name__}: {exc}")
+        self.logs.close_task(self._tasklog)
         try:
             self.transport.task_finished(result)
         finally:
-            shutil.rmtree(self.dir, ignore_errors=True)
             self.on_done(self)
 
-    def _execute(self, tasklog: TaskLog) -> TaskResult:
+    def _launch(self) -> subprocess.Popen[bytes] | None:
+        """Prepare the workspace and start the process (None: ended before it started)."""
         spec = self.task.spec
         ws = prepare(self.task, self.dir, self.transport, self.cache)
+        self._cwd = ws.cwd
         argv = [sys.executable, spec.script, *spec.args] if spec.script else [*(spec.command or []), *spec.args]
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")  # logs arrive as printed, not at exit
@@ -130,10 +155,17 @@ class TaskRun:
         self.marks["prepared"] = time.time()
         with self._lock:
             if self._ending is not None:
-                return self._result(self._ending)
+                self._early = self._result(self._ending)
+                return None
             proc = spawn(argv, cwd=ws.cwd, env=env)
             self._proc = proc
         self.marks["started"] = time.time()
+        return proc
+
+    def _supervise(self, tasklog: TaskLog) -> TaskResult:
+        proc = self._proc
+        assert isinstance(proc, subprocess.Popen)
+        spec = self.task.spec
         readers = [
             threading.Thread(target=self._pump, args=(proc.stdout, "stdout", tasklog), daemon=True),
             threading.Thread(target=self._pump, args=(proc.stderr, "stderr", tasklog), daemon=True),
@@ -162,7 +194,7 @@ class TaskRun:
         if timer is not None:
             timer.cancel()
         self._end_strays(proc.pid, readers)
-        outputs, missing = collect_outputs(spec.outputs, ws.cwd, self.transport)
+        outputs, missing = collect_outputs(spec.outputs, self._cwd, self.transport)
         with self._lock:
             ending = self._ending
         return self._result(ending or "exited", exit_code=code, outputs=outputs, missing_outputs=missing)

@@ -13,8 +13,10 @@ Its life, in steps:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -28,6 +30,7 @@ from ..transport import Transport
 from .gpus import Gpu, detect_gpus
 from .logs import LogSender
 from .task import TaskRun
+from .workspace import make_spare
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ class Worker:
         self._stopping = threading.Event()
         self._logs = LogSender(transport.append_logs)
         self._thread: threading.Thread | None = None
+        self._spares: list[Path] = []
+        self._dir_numbers = itertools.count(1)
 
     @property
     def id(self) -> str:
@@ -80,6 +85,7 @@ class Worker:
     def start(self) -> None:
         self.info = self.transport.register_worker(self.info)
         self.tasks_dir = self.work_dir / self.info.id
+        self._spares = [make_spare(self._new_dir()) for _ in self.info.slot_gpus[:4]]
         self._thread = threading.Thread(target=self._loop, name=f"gpulayer-worker-{self.info.id}", daemon=True)
         self._thread.start()
 
@@ -102,14 +108,19 @@ class Worker:
                     if run is not None:
                         run.stop("cancelled")
 
+    def _new_dir(self) -> Path:
+        return self.tasks_dir / f"task-{next(self._dir_numbers)}"
+
     def _start_task(self, task: RunTask, acquired: float) -> None:
+        with self._tasks_lock:
+            task_dir = self._spares.pop() if self._spares else self._new_dir()
         run = TaskRun(
             task,
             worker_id=self.info.id,
             transport=self.transport,
             logs=self._logs,
             cache=self.cache,
-            root=self.tasks_dir,
+            task_dir=task_dir,
             gpu_vendor=self.vendor,
             kill_grace=self.kill_grace,
             acquired=acquired,
@@ -120,8 +131,14 @@ class Worker:
         run.start()
 
     def _task_done(self, run: TaskRun) -> None:
+        # Called on the task's thread after its result is reported: tidying
+        # up here costs the job nothing.
+        shutil.rmtree(run.dir, ignore_errors=True)
+        spare = None if self._stopping.is_set() else make_spare(self._new_dir())
         with self._tasks_lock:
             self._tasks.pop(run.key, None)
+            if spare is not None:
+                self._spares.append(spare)
             self._idle.notify_all()
 
     def running(self) -> int:
@@ -139,5 +156,6 @@ class Worker:
             self._idle.wait_for(lambda: not self._tasks, timeout)
         self._logs.stop()
         self.transport.unregister_worker(self.info.id)
+        shutil.rmtree(self.tasks_dir, ignore_errors=True)
         if self._thread is not None:
             self._thread.join(timeout)
