@@ -1,0 +1,1 @@
+"""The worker: detects GPUs, takes tasks, runs them as process trees, reports back."""

@@ -1,0 +1,286 @@
+"""GPU detection against fake nvidia-smi / amd-smi / rocm-smi executables.
+
+Each fake is a small script on a PATH that holds nothing else, so the real
+tools of a GPU machine never leak in; NVML is blocked (or faked) through
+``sys.modules``. Sample outputs follow the real tools' formats.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import psutil
+import pytest
+
+from gpulayer.worker.gpus import Gpu, detect_gpus, visible_devices_env
+
+NVIDIA_SMI_ARGS = [
+    "--query-gpu=index,name,memory.total,uuid",
+    "--format=csv,noheader,nounits",
+]
+AMD_SMI_ARGS = ["static", "--asic", "--vram", "--json"]
+ROCM_SMI_ARGS = ["--showproductname", "--showmeminfo", "vram", "--json"]
+
+NVIDIA_SMI_OUT = (
+    "0, NVIDIA A100-SXM4-80GB, 81920, GPU-2b5a3c1e-8f1d-4f6e-9a7b-3c2d1e0f9a8b\n"
+    "1, NVIDIA GeForce RTX 4090, 24564, GPU-7c9e6f5d-4b3a-2c1d-0e9f-8a7b6c5d4e3f\n"
+    "2, NVIDIA GH200 480GB, [N/A], GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9\n"
+)
+NVIDIA_SMI_GPUS = [
+    Gpu(0, "nvidia", "NVIDIA A100-SXM4-80GB", 81920, "GPU-2b5a3c1e-8f1d-4f6e-9a7b-3c2d1e0f9a8b"),
+    Gpu(1, "nvidia", "NVIDIA GeForce RTX 4090", 24564, "GPU-7c9e6f5d-4b3a-2c1d-0e9f-8a7b6c5d4e3f"),
+    Gpu(2, "nvidia", "NVIDIA GH200 480GB", None, "GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"),
+]
+
+
+def _amd_smi_gpu(index: int, size: Any) -> dict[str, Any]:
+    return {
+        "gpu": index,
+        "asic": {
+            "market_name": "AMD Instinct MI300X",
+            "vendor_id": "0x1002",
+            "vendor_name": "Advanced Micro Devices Inc. [AMD/ATI]",
+            "subvendor_id": "0x1002",
+            "device_id": "0x74a1",
+            "subsystem_id": "0x74a1",
+            "rev_id": "0x00",
+            "asic_serial": "0x5D5D0F7A2B3C4E1F",
+            "oam_id": index,
+            "num_compute_units": 304,
+            "target_graphics_version": "gfx942",
+        },
+        "vram": {"type": "HBM", "vendor": "N/A", "size": size, "bit_width": 8192},
+    }
+
+
+AMD_SMI_GPUS = [Gpu(i, "amd", "AMD Instinct MI300X", 196592) for i in (0, 1)]
+
+ROCM_SMI_OUT = json.dumps(
+    {
+        f"card{i}": {
+            "Card Series": "AMD Instinct MI210",
+            "Card Model": "0x740f",
+            "Card Vendor": "Advanced Micro Devices, Inc. [AMD/ATI]",
+            "Card SKU": "D67301",
+            "Subsystem ID": "0x0c34",
+            "Device Rev": "0x02",
+            "Node ID": str(i + 2),
+            "GUID": "11063",
+            "GFX Version": "gfx90a",
+            "VRAM Total Memory (B)": "68702699520",
+            "VRAM Total Used Memory (B)": "10993664",
+        }
+        for i in (1, 0)
+    }
+)
+ROCM_SMI_GPUS = [Gpu(i, "amd", "AMD Instinct MI210", 65520) for i in (0, 1)]
+
+
+class Tools:
+    """Writes fake GPU tools into a directory that is the whole PATH."""
+
+    def __init__(self, bin_dir: Path) -> None:
+        self.bin_dir = bin_dir
+
+    def add(
+        self,
+        name: str,
+        stdout: str = "",
+        *,
+        code: int = 0,
+        args: list[str] | None = None,
+        hang: bool = False,
+    ) -> None:
+        lines = ["import sys, time"]
+        if args is not None:  # answer only the command line the real tool gets
+            lines.append(f"if sys.argv[1:] != {args!r}: sys.exit('bad args %r' % sys.argv[1:])")
+        if hang:
+            lines.append("time.sleep(120)")
+        lines += [f"sys.stdout.write({stdout!r})", f"sys.exit({code})"]
+        path = self.bin_dir / name
+        path.write_text(f"#!{sys.executable}\n" + "\n".join(lines) + "\n")
+        path.chmod(0o755)
+
+
+@pytest.fixture
+def tools(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Tools:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails: NVML absent
+    return Tools(bin_dir)
+
+
+def fake_nvml(*, init_error: bool = False) -> SimpleNamespace:
+    def init() -> None:
+        if init_error:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    names = [b"NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3"]  # old pynvml gave bytes
+    return SimpleNamespace(
+        nvmlInit=init,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetName=lambda h: names[h],
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=85520809984),
+        nvmlDeviceGetUUID=lambda h: f"GPU-0000000{h}-1111-2222-3333-444444444444",
+    )
+
+
+def test_no_tools_means_no_gpus(tools: Tools) -> None:
+    assert detect_gpus() == []
+
+
+def test_nvidia_smi_csv(tools: Tools) -> None:
+    tools.add("nvidia-smi", NVIDIA_SMI_OUT, args=NVIDIA_SMI_ARGS)
+    assert detect_gpus() == NVIDIA_SMI_GPUS
+
+
+def test_nvml_is_preferred_to_nvidia_smi(tools: Tools, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
+    tools.add("nvidia-smi", NVIDIA_SMI_OUT, args=NVIDIA_SMI_ARGS)
+    assert detect_gpus() == [
+        Gpu(
+            i,
+            "nvidia",
+            "NVIDIA H100 80GB HBM3",
+            81559,
+            f"GPU-0000000{i}-1111-2222-3333-444444444444",
+        )
+        for i in (0, 1)
+    ]
+
+
+def test_nvml_that_cannot_start_falls_back_to_nvidia_smi(
+    tools: Tools, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(init_error=True))
+    tools.add("nvidia-smi", NVIDIA_SMI_OUT, args=NVIDIA_SMI_ARGS)
+    assert detect_gpus() == NVIDIA_SMI_GPUS
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param([_amd_smi_gpu(i, {"value": 196592, "unit": "MB"}) for i in (1, 0)], id="list"),
+        pytest.param(
+            {"gpu_data": [_amd_smi_gpu(i, {"value": 196592, "unit": "MB"}) for i in (0, 1)]},
+            id="gpu_data",
+        ),
+        pytest.param([_amd_smi_gpu(i, "196592 MB") for i in (0, 1)], id="size-string"),
+    ],
+)
+def test_amd_smi_json_shapes(tools: Tools, payload: Any) -> None:
+    tools.add("amd-smi", json.dumps(payload, indent=4), args=AMD_SMI_ARGS)
+    tools.add("rocm-smi", ROCM_SMI_OUT, args=ROCM_SMI_ARGS)  # must not be asked
+    assert detect_gpus() == AMD_SMI_GPUS
+
+
+def test_amd_smi_without_name_or_size(tools: Tools) -> None:
+    entry = {"gpu": 0, "asic": {"market_name": "N/A"}, "vram": {"size": "N/A"}}
+    tools.add("amd-smi", json.dumps({"gpu_data": [entry], "cpu_data": []}))
+    assert detect_gpus() == [Gpu(0, "amd", "AMD GPU", None)]
+
+
+def test_rocm_smi_json(tools: Tools) -> None:
+    tools.add("rocm-smi", ROCM_SMI_OUT, args=ROCM_SMI_ARGS)
+    assert detect_gpus() == ROCM_SMI_GPUS
+
+
+def test_rocm_smi_old_key_case_and_leading_warning(tools: Tools) -> None:
+    # ROCm 5 spelled "Card series"; some builds print a warning before the JSON.
+    card = {"Card series": "Navi 21 [Radeon RX 6800/6800 XT / 6900 XT]", "Card model": "0x73bf"}
+    card["VRAM Total Memory (B)"] = "17163091968"
+    out = "WARNING: AMD GPU device(s) is/are in a low-power state.\n" + json.dumps({"card0": card})
+    tools.add("rocm-smi", out)
+    assert detect_gpus() == [Gpu(0, "amd", "Navi 21 [Radeon RX 6800/6800 XT / 6900 XT]", 16368)]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        pytest.param({"code": 1, "stdout": "Failed to initialize amdsmi\n"}, id="exit-1"),
+        pytest.param({"stdout": "garbage, not JSON\n"}, id="garbage"),
+        pytest.param({"stdout": '{"gpu_data": "nope"}'}, id="wrong-shape"),
+    ],
+)
+def test_failing_amd_smi_falls_back_to_rocm_smi(tools: Tools, failure: dict[str, Any]) -> None:
+    tools.add("amd-smi", **failure)
+    tools.add("rocm-smi", ROCM_SMI_OUT)
+    assert detect_gpus() == ROCM_SMI_GPUS
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        pytest.param({"code": 6, "stdout": "No devices were found\n"}, id="exit-6"),
+        pytest.param(
+            {"stdout": "NVIDIA-SMI has failed because it couldn't communicate\n"}, id="garbage"
+        ),
+        pytest.param({"stdout": "x, NVIDIA A100, 81920, GPU-1\n"}, id="bad-index"),
+    ],
+)
+def test_failing_nvidia_smi_means_no_nvidia_gpus(
+    tools: Tools, failure: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    tools.add("nvidia-smi", **failure)
+    with caplog.at_level(logging.DEBUG, logger="gpulayer.worker.gpus"):
+        assert detect_gpus() == []
+    assert "no nvidia GPUs from nvidia-smi" in caplog.text
+
+
+def test_hanging_tool_is_killed_after_the_timeout(tools: Tools) -> None:
+    tools.add("nvidia-smi", NVIDIA_SMI_OUT, hang=True)
+    tools.add("rocm-smi", ROCM_SMI_OUT)
+    started = time.monotonic()
+    assert detect_gpus(timeout=0.5) == ROCM_SMI_GPUS  # the other vendor still answers
+    assert time.monotonic() - started < 10  # far from the fake's 120 s
+    assert psutil.Process().children(recursive=True) == []  # killed and reaped
+
+
+def test_both_vendors_nvidia_first(tools: Tools) -> None:
+    tools.add("rocm-smi", ROCM_SMI_OUT)
+    tools.add("nvidia-smi", NVIDIA_SMI_OUT)
+    assert detect_gpus() == NVIDIA_SMI_GPUS + ROCM_SMI_GPUS
+
+
+HIDE_ALL = {"CUDA_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "-1"}
+
+
+@pytest.mark.parametrize(
+    ("vendor", "indexes", "expected"),
+    [
+        pytest.param(
+            "nvidia",
+            [0, 2],
+            {
+                "CUDA_VISIBLE_DEVICES": "0,2",
+                "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                "ROCR_VISIBLE_DEVICES": "",
+                "HIP_VISIBLE_DEVICES": "-1",
+            },
+            id="nvidia",
+        ),
+        pytest.param(
+            "amd", [3, 1], {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "3,1"}, id="amd"
+        ),
+        pytest.param("nvidia", [], HIDE_ALL, id="nvidia-no-gpus"),
+        pytest.param("amd", (), HIDE_ALL, id="amd-no-gpus"),
+        pytest.param(None, [], HIDE_ALL, id="cpu-worker"),
+    ],
+)
+def test_visible_devices_env(vendor: Any, indexes: list[int], expected: dict[str, str]) -> None:
+    assert visible_devices_env(vendor, indexes) == expected
+
+
+@pytest.mark.parametrize(("vendor", "indexes"), [(None, [0]), ("nvidia", [-1])])
+def test_visible_devices_env_rejects_nonsense(vendor: Any, indexes: list[int]) -> None:
+    with pytest.raises(ValueError, match="GPU indexes"):
+        visible_devices_env(vendor, indexes)
