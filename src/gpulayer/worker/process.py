@@ -1,0 +1,284 @@
+"""Start a task's process and end its whole tree, grandchildren included.
+
+A task runs as the leader of its own session and process group, so one
+``killpg`` reaches everything it starts. Descendants that left the group
+(``setsid()``, daemons) are found through the process tree, which is why the
+tree is read *before* any signal: once a parent dies its children are
+reparented and no longer point back at the task.
+
+Ending a tree: SIGTERM, a grace period, SIGKILL for whatever is left. Every
+process gets exactly one SIGTERM, so a job's own shutdown handler runs once.
+
+psutil is imported inside the functions that use it: it is not needed to
+start a process, only to end one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import subprocess
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import psutil
+
+logger = logging.getLogger(__name__)
+
+# How long to wait for processes to vanish after SIGKILL. They cannot refuse;
+# only one stuck in the kernel (e.g. a wedged GPU driver) takes longer.
+KILL_WAIT_S = 2.0
+# Two readings of one process's start time can differ slightly (psutil derives
+# it from the boot time and clock ticks); a reused pid starts much later.
+CREATE_TIME_TOLERANCE_S = 1.0
+
+
+def spawn(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """Start ``argv`` as the leader of a new session and process group.
+
+    stdin is closed (``/dev/null``), stdout and stderr are pipes for the
+    caller to drain. No ``preexec_fn``: it would cost CPython its fast
+    ``vfork()`` path; ``start_new_session`` does not.
+    """
+    return subprocess.Popen(
+        list(argv),
+        cwd=cwd,
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        close_fds=True,
+    )
+
+
+def terminate_tree(proc: subprocess.Popen[bytes] | int, *, grace: float = 10.0) -> None:
+    """End ``proc`` and every descendant: SIGTERM, up to ``grace`` s, then SIGKILL.
+
+    Safe on processes that already exited. A ``Popen`` is also reaped, so its
+    ``returncode`` is set on return (``-SIGTERM`` or ``-SIGKILL`` unless the
+    process chose its own exit status). With a bare pid the caller vouches
+    that it is the process it means; :func:`kill_orphans` checks that first.
+    """
+    import psutil
+
+    popen = proc if isinstance(proc, subprocess.Popen) else None
+    pid = proc.pid if isinstance(proc, subprocess.Popen) else proc
+    root: psutil.Process | None = None
+    if popen is None or popen.returncode is None:  # once reaped, the pid may be anyone's
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(pid)
+    # spawn() makes the task lead a group whose id is its pid. After the
+    # leader is reaped that id stays reserved while any member lives, and
+    # pids are handed out cyclically, so for our own child it is still ours.
+    # For a bare pid that is gone we cannot tell, and leave the group alone.
+    _terminate(root, _own_group(pid, root, trusted=popen is not None), grace)
+    if popen is not None:
+        _reap(popen)
+
+
+def kill_orphans(pid: int, create_time: float, *, grace: float) -> bool:
+    """End the tree of a task left running by a worker that died.
+
+    ``pid`` and ``create_time`` were recorded when the task started
+    (:func:`process_create_time`). Returns True if that very process was
+    still there (a different process on a reused pid does not count) and its
+    tree has now been ended; False if it was gone.
+    """
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        started = root.create_time()
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        logger.warning("cannot inspect pid %d (another user's?); left alone", pid)
+        return False
+    if abs(started - create_time) > CREATE_TIME_TOLERANCE_S:
+        logger.debug("pid %d was reused (started %.3f, expected %.3f)", pid, started, create_time)
+        return False
+    _terminate(root, _own_group(pid, root, trusted=False), grace)
+    return True
+
+
+def process_create_time(pid: int) -> float | None:
+    """When ``pid`` started (seconds since the epoch), or None if it does not exist."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _own_group(pid: int, root: psutil.Process | None, *, trusted: bool) -> int | None:
+    """The process group that ``pid`` leads, if it is safe to signal."""
+    if root is not None:
+        try:
+            leads = os.getpgid(pid) == pid
+        except ProcessLookupError:
+            leads = trusted
+    else:
+        leads = trusted
+    if not leads or pid == os.getpgrp():  # never the worker's own group
+        return None
+    return pid
+
+
+def _terminate(root: psutil.Process | None, pgid: int | None, grace: float) -> None:
+    """SIGTERM, wait up to ``grace``, SIGKILL; ``root`` and ``pgid`` may be gone."""
+    # 1. Read the tree before any signal changes it: the root, the members of
+    # its group (orphans whose parent already left included) and all their
+    # descendants, wherever they moved.
+    procs = _with_descendants(([root] if root is not None else []) + _group_members(pgid))
+    # 2. One SIGTERM each: the group at once, then those that left it.
+    in_group = _signal_group(pgid, signal.SIGTERM)
+    _signal_each(procs, signal.SIGTERM, skip_group=pgid if in_group else None)
+    # 3. Let them shut down.
+    alive = _wait_exited(procs, grace)
+    # 4. SIGKILL what is left, including processes born during the grace
+    # period (found again in the group and under the survivors).
+    alive = _with_descendants(alive + _group_members(pgid))
+    _signal_group(pgid, signal.SIGKILL)
+    _signal_each(alive, signal.SIGKILL, skip_group=None)
+    stuck = _wait_exited(alive, KILL_WAIT_S)
+    if stuck:
+        logger.warning("processes survived SIGKILL: %s", sorted(p.pid for p in stuck))
+
+
+def _group_members(pgid: int | None) -> list[psutil.Process]:
+    import psutil
+
+    if pgid is None:
+        return []
+    members = []
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+            proc = psutil.Process(pid)
+            # The pid may have been reused between the two calls.
+            if os.getpgid(pid) == pgid:
+                members.append(proc)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return members
+
+
+def _with_descendants(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
+    import psutil
+
+    found: dict[int, psutil.Process] = {}
+    for proc in procs:
+        found[proc.pid] = proc
+        try:
+            children = proc.children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        found.update((child.pid, child) for child in children)
+    return list(found.values())
+
+
+def _signal_group(pgid: int | None, sig: signal.Signals) -> bool:
+    """Signal a process group; False if there is none."""
+    if pgid is None:
+        return False
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _signal_each(
+    procs: Iterable[psutil.Process], sig: signal.Signals, skip_group: int | None
+) -> None:
+    """Signal each process, skipping members of ``skip_group`` (already signalled)."""
+    import psutil
+
+    for proc in procs:
+        try:
+            if skip_group is not None and os.getpgid(proc.pid) == skip_group:
+                continue
+            # psutil checks the start time first, so a reused pid is left alone.
+            proc.send_signal(sig)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+        except psutil.AccessDenied:
+            logger.warning("not allowed to signal pid %d", proc.pid)
+
+
+def _wait_exited(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to ``timeout`` s for the processes to exit; return those still running.
+
+    A zombie counts as exited: it is no longer running, and whoever reaps it
+    (its parent, or init for an orphan) may take its time. On Linux this
+    blocks on pidfds; elsewhere it falls back to checking every few ms.
+    """
+    pidfds: dict[int, psutil.Process] = {}
+    try:
+        for proc in procs:
+            try:
+                fd = os.pidfd_open(proc.pid)
+            except ProcessLookupError:
+                continue
+            except (AttributeError, OSError):  # not Linux, or kernel < 5.3
+                return _poll_exited(procs, timeout)
+            pidfds[fd] = proc
+            # The pid could have been reused before pidfd_open; is_running()
+            # compares start times, so the fd is known to be this process.
+            if not proc.is_running():
+                del pidfds[fd]
+                os.close(fd)
+        poller = select.poll()
+        for fd in pidfds:
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + timeout
+        while pidfds:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for fd, _ in poller.poll(remaining * 1000):
+                poller.unregister(fd)
+                del pidfds[fd]
+                os.close(fd)
+        return list(pidfds.values())
+    finally:
+        for fd in pidfds:
+            os.close(fd)
+
+
+def _poll_exited(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        alive = [p for p in procs if _running(p)]
+        remaining = deadline - time.monotonic()
+        if not alive or remaining <= 0:
+            return alive
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, 0.05)
+
+
+def _running(proc: psutil.Process) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _reap(popen: subprocess.Popen[bytes]) -> None:
+    """Collect the child's exit status (another thread may be waiting on it too)."""
+    try:
+        popen.wait(timeout=KILL_WAIT_S)
+    except subprocess.TimeoutExpired:
+        logger.warning("pid %d did not exit after SIGKILL", popen.pid)
