@@ -243,3 +243,28 @@ def test_digest_cache_hits_for_settled_files(
     os.utime(f, ns=(10**18, 10**18 + 1))
     assert cache.digest(str(f), f.stat()) == sha(b"two")
     assert (cache.hits, cache.misses) == (1, 2)
+
+
+def test_put_files_stores_many_at_once(store: ArtifactStore, tmp_path: Path) -> None:
+    contents = [os.urandom(100 + i) for i in range(20)]
+    sources = {}
+    for i, data in enumerate(contents):
+        (tmp_path / f"f{i}").write_bytes(data)
+        sources[sha(data)] = tmp_path / f"f{i}"
+    progress: list[int] = []
+    store.put_files(sources, on_progress=progress.append)
+    assert all(store.read_bytes(sha(d)) == d for d in contents)
+    assert sum(progress) == sum(len(d) for d in contents)
+    assert leftovers(store) == []
+
+
+def test_put_files_failure_leaves_no_wrong_blob(store: ArtifactStore, tmp_path: Path) -> None:
+    sources = {}
+    for i in range(6):
+        (tmp_path / f"f{i}").write_bytes(b"%d" % i)
+        sources[sha(b"%d" % i)] = tmp_path / f"f{i}"
+    sources[sha(b"claimed")] = tmp_path / "f0"
+    with pytest.raises(ArtifactError, match=sha(b"claimed")):
+        store.put_files(sources)
+    assert not store.has(sha(b"claimed"))
+    assert leftovers(store) == []

@@ -21,7 +21,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,6 +33,8 @@ BLOB_MODE = 0o444
 
 # Read/write granularity when streaming a file into the store or hashing it.
 _CHUNK = 1024 * 1024
+# Blobs written at once by put_files.
+_PUT_THREADS = 8
 
 _HEX = frozenset("0123456789abcdef")
 
@@ -264,6 +266,43 @@ class ArtifactStore:
             raise
         self._commit(fd, tmp, actual)
         return actual
+
+    def put_files(
+        self, sources: Mapping[str, Path], *, on_progress: Callable[[int], None] | None = None
+    ) -> None:
+        """``put_file`` for each ``digest -> src``, several at once.
+
+        In threads because each blob is fsynced, which costs milliseconds on a
+        journaled disk, and concurrent fsyncs share journal commits (measured
+        7-30x faster for many small files); hashing and copying release the
+        GIL. ``on_progress`` is called under a lock: it need not be thread-safe.
+        """
+        if len(sources) < 2:
+            for digest, src in sources.items():
+                self.put_file(src, digest=digest, on_progress=on_progress)
+            return
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        report = on_progress
+        if on_progress is not None:
+            lock = threading.Lock()
+
+            def report(n: int) -> None:
+                with lock:
+                    on_progress(n)
+
+        with ThreadPoolExecutor(min(_PUT_THREADS, len(sources))) as pool:
+            futures = [
+                pool.submit(self.put_file, src, digest=d, on_progress=report)
+                for d, src in sources.items()
+            ]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                pool.shutdown(cancel_futures=True)
+                raise
 
     def link_from(self, src: Path, digest: str) -> None:
         """Adopt ``src``, a file known to hold ``digest``, without copying its bytes.
