@@ -1,0 +1,233 @@
+"""Sync-free metric accumulation behind ``Module.log``.
+
+A logged tensor is detached and kept where it is: on the GPU for a GPU run.
+Per-step values are held by reference (the latest one wins); per-epoch values
+are folded into an on-device accumulator with one small kernel per call. The
+host sees them only when :func:`to_host` is called, which the loop does every
+``log_every_n_steps`` optimizer steps and at the end of an epoch, and which
+reads every metric of a device in one transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpulayer.train.errors import TrainerError, invalid_choice
+
+REDUCE_FX = ("mean", "sum", "max", "min")
+
+Value = torch.Tensor | float
+#: Reduces a packed float32 tensor across ranks with op "sum", "max" or "min".
+Reducer = Callable[[torch.Tensor, str], torch.Tensor]
+
+
+@dataclass(slots=True)
+class _Metric:
+    prog_bar: bool
+    logger: bool
+    on_step: bool
+    on_epoch: bool
+    reduce_fx: str
+    sync_dist: bool
+    last: Value | None = None
+    total: Value | None = None
+    weight: float = 0.0
+
+
+def infer_batch_size(batch: Any) -> int:
+    """The leading dimension of the first tensor in ``batch`` (1 if none)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() > 0 else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, list | tuple):
+        for item in batch:
+            size = infer_batch_size(item)
+            if size != 1 or isinstance(item, torch.Tensor):
+                return size
+    return 1
+
+
+def _fold(total: Value, value: Value, reduce_fx: str, weight: float) -> Value:
+    if reduce_fx == "max" or reduce_fx == "min":
+        if isinstance(total, torch.Tensor) or isinstance(value, torch.Tensor):
+            pick = torch.maximum if reduce_fx == "max" else torch.minimum
+            return pick(torch.as_tensor(total), torch.as_tensor(value).to(torch.float32))
+        return max(total, value) if reduce_fx == "max" else min(total, value)
+    if isinstance(total, torch.Tensor):
+        return total.add_(value, alpha=weight) if weight != 1 else total.add_(value)
+    if isinstance(value, torch.Tensor):
+        return value.to(torch.float32) * weight + total
+    return total + value * weight
+
+
+def _start(value: Value, reduce_fx: str, weight: float) -> Value:
+    if isinstance(value, torch.Tensor):
+        # A fresh float32 copy: the accumulator is updated in place afterwards.
+        total = value.to(torch.float32, copy=True).reshape(())
+        return total.mul_(weight) if reduce_fx == "mean" and weight != 1 else total
+    return value * weight if reduce_fx == "mean" else value
+
+
+class MetricStore:
+    """What one stage (training or validation) logged during the current epoch."""
+
+    def __init__(self, *, on_step: bool, on_epoch: bool) -> None:
+        self.default_on_step = on_step
+        self.default_on_epoch = on_epoch
+        self.batch: Any = None  # the batch being processed, for batch-size inference
+        self._metrics: dict[str, _Metric] = {}
+
+    def log(
+        self,
+        name: str,
+        value: Any,
+        *,
+        prog_bar: bool = False,
+        logger: bool = True,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: str = "mean",
+        batch_size: int | None = None,
+        sync_dist: bool = False,
+    ) -> None:
+        metric = self._metrics.get(name)
+        if metric is None:
+            metric = self._define(name, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise TrainerError(
+                    f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; "
+                    f"log one value (a 0-d or 1-element tensor, or a number)"
+                )
+            value = value.detach()
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            value = float(value)
+        else:
+            raise TrainerError(
+                f"self.log({name!r}, ...) got {type(value).__name__}; valid values: a "
+                f"1-element tensor, an int or a float"
+            )
+        if metric.on_step:
+            metric.last = value
+        if metric.on_epoch:
+            weight = 1.0
+            if metric.reduce_fx == "mean":
+                weight = float(
+                    batch_size if batch_size is not None else infer_batch_size(self.batch)
+                )
+            if metric.total is None:
+                metric.total = _start(value, metric.reduce_fx, weight)
+            else:
+                metric.total = _fold(metric.total, value, metric.reduce_fx, weight)
+            metric.weight += weight
+
+    def _define(
+        self,
+        name: str,
+        prog_bar: bool,
+        logger: bool,
+        on_step: bool | None,
+        on_epoch: bool | None,
+        reduce_fx: str,
+        sync_dist: bool,
+    ) -> _Metric:
+        if not isinstance(name, str) or not name:
+            raise TrainerError(f"self.log(name={name!r}) needs a non-empty string name")
+        if reduce_fx not in REDUCE_FX:
+            raise invalid_choice(f"self.log({name!r}, reduce_fx)", reduce_fx, REDUCE_FX)
+        step = self.default_on_step if on_step is None else on_step
+        epoch = self.default_on_epoch if on_epoch is None else on_epoch
+        if not (step or epoch):
+            raise TrainerError(
+                f"self.log({name!r}, on_step=False, on_epoch=False) would record nothing; "
+                f"set on_step=True or on_epoch=True"
+            )
+        metric = _Metric(prog_bar, logger, step, epoch, reduce_fx, sync_dist)
+        self._metrics[name] = metric
+        return metric
+
+    def _key(self, name: str, metric: _Metric, suffix: str) -> str:
+        return f"{name}_{suffix}" if metric.on_step and metric.on_epoch else name
+
+    def step_values(self) -> dict[str, Value]:
+        """The latest value of each per-step metric, still on its device."""
+        return {
+            self._key(name, m, "step"): m.last
+            for name, m in self._metrics.items()
+            if m.on_step and m.last is not None
+        }
+
+    def epoch_values(self, reducer: Reducer | None = None) -> dict[str, Value]:
+        """Each per-epoch metric reduced over the epoch (and ranks, if sync_dist)."""
+        out: dict[str, Value] = {}
+        shared: dict[str, list[tuple[str, _Metric]]] = {}
+        for name, m in self._metrics.items():
+            if not m.on_epoch or m.total is None:
+                continue
+            key = self._key(name, m, "epoch")
+            if reducer is not None and m.sync_dist:
+                shared.setdefault(m.reduce_fx, []).append((key, m))
+            else:
+                out[key] = m.total / m.weight if m.reduce_fx == "mean" else m.total
+        for reduce_fx, items in shared.items():
+            out.update(_reduce_across_ranks(reduce_fx, items, reducer))  # type: ignore[arg-type]
+        return out
+
+    def keys_where(self, flag: str) -> set[str]:
+        """Names (as reported) of the metrics with ``prog_bar`` or ``logger`` set."""
+        keys: set[str] = set()
+        for name, m in self._metrics.items():
+            if getattr(m, flag):
+                if m.on_step and m.on_epoch:
+                    keys.update((f"{name}_step", f"{name}_epoch"))
+                else:
+                    keys.add(name)
+        return keys
+
+    def reset(self) -> None:
+        self._metrics.clear()
+        self.batch = None
+
+
+def _device_of(items: list[tuple[str, _Metric]]) -> torch.device:
+    for _, m in items:
+        if isinstance(m.total, torch.Tensor):
+            return m.total.device
+    return torch.device("cpu")
+
+
+def _reduce_across_ranks(
+    reduce_fx: str, items: list[tuple[str, _Metric]], reducer: Reducer
+) -> dict[str, Value]:
+    # One collective per reduce_fx for all metrics: pack, reduce, unpack.
+    device = _device_of(items)
+    parts = [torch.as_tensor(m.total, dtype=torch.float32, device=device) for _, m in items]
+    if reduce_fx in ("mean", "sum"):
+        weights = torch.tensor([m.weight for _, m in items], dtype=torch.float32, device=device)
+        packed = reducer(torch.cat([torch.stack(parts), weights]), "sum")
+        n = len(items)
+        values = packed[:n] / packed[n:] if reduce_fx == "mean" else packed[:n]
+    else:
+        values = reducer(torch.stack(parts), reduce_fx)
+    return {key: values[i] for i, (key, _) in enumerate(items)}
+
+
+def to_host(values: Mapping[str, Value]) -> dict[str, float]:
+    """Read ``values`` to Python floats: one device-to-host transfer per device."""
+    out: dict[str, float] = {}
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append((key, value))
+        else:
+            out[key] = value
+    for items in by_device.values():
+        stacked = torch.stack([t.reshape(()).to(torch.float32) for _, t in items])
+        for (key, _), number in zip(items, stacked.tolist(), strict=True):
+            out[key] = number
+    return {key: out[key] for key in values}
