@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -505,18 +506,17 @@ trees = st.dictionaries(
 )
 
 
-def build(root: Path, tree: dict[str, object]) -> None:
+def build(root: Path, tree: dict[str, Any]) -> None:
     root.mkdir(exist_ok=True)
     for name, node in tree.items():
         p = root / name
         if isinstance(node, dict):
             build(p, node)
-        elif node[0] == "file":  # type: ignore[index]
-            _, content, executable = node  # type: ignore[misc]
-            p.write_bytes(content)
-            p.chmod(0o755 if executable else 0o644)
+        elif node[0] == "file":
+            p.write_bytes(node[1])
+            p.chmod(0o755 if node[2] else 0o644)
         else:
-            p.symlink_to(node[1])  # type: ignore[index]
+            p.symlink_to(node[1])
 
 
 # Examples are many and tiny: on tmpfs where there is one, the disk's fsync
@@ -526,7 +526,7 @@ FAST_TMP = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.
 
 @settings(max_examples=100, deadline=None)
 @given(tree=trees)
-def test_any_tree_round_trips(tree: dict[str, object]) -> None:
+def test_any_tree_round_trips(tree: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory(dir=FAST_TMP) as tmp:
         base = Path(tmp)
         build(base / "a", tree)
@@ -538,3 +538,16 @@ def test_any_tree_round_trips(tree: dict[str, object]) -> None:
         bundle.materialize(bundle.load(store, digest), base / "ws", store.path)
         assert snapshot(base / "ws") == snapshot(base / "a")
         assert bundle.manifest_digest(bundle.scan(base / "ws")) == digest
+
+
+def test_file_digest(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"data")
+    assert bundle.file_digest(tmp_path / "f") == sha(b"data")
+    with pytest.raises(BundleError, match="cannot read"):
+        bundle.file_digest(tmp_path / "missing")
+
+
+def test_unreadable_ignore_file_is_a_bundle_error(tmp_path: Path) -> None:
+    root = write(tmp_path / "src", {"a.py": b"", ".gpulayerignore": b"\xff\xfe bad"})
+    with pytest.raises(BundleError, match=r"\.gpulayerignore"):
+        bundle.scan(root)

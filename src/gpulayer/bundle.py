@@ -105,6 +105,16 @@ def _digest(path: str, st: os.stat_result) -> str:
         raise BundleError(f"cannot read {path}: {e.strerror}; list it in {IGNORE_FILE}") from e
 
 
+def file_digest(path: Path) -> str:
+    """sha256 of one file, from this process's cache when the file is unchanged."""
+    p = os.path.abspath(path)
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        raise BundleError(f"cannot read {path}: {e.strerror}") from e
+    return _digest(p, st)
+
+
 def _listdir(path: str) -> list[os.DirEntry[str]]:
     try:
         with os.scandir(path) as it:
@@ -119,6 +129,8 @@ def _ignore_spec(root: str) -> pathspec.GitIgnoreSpec | None:
             lines = f.read().splitlines()
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise BundleError(f"cannot read {IGNORE_FILE} in {root}: {e}") from e
     import pathspec  # only bundles that have an ignore file pay its import
 
     return pathspec.GitIgnoreSpec.from_lines(lines)
@@ -171,7 +183,9 @@ def scan(root: Path, *, home: Path | None = None) -> Manifest:
     try:
         validate(manifest)
     except BundleError as e:
-        raise type(e)(f"{e} (in {root}); rename it, or list it in {IGNORE_FILE}") from None
+        raise type(e)(
+            f"{e} (in {root}); remove or rename it, or list it in {IGNORE_FILE}"
+        ) from None
     return manifest
 
 
@@ -295,11 +309,9 @@ def store(
 ) -> str:
     """Put the file blobs not yet stored, then the manifest; return the manifest's digest.
 
-    ``on_progress`` calls sum to ``manifest.total_size``: files already
-    stored are reported in one call, without being read.
+    ``on_progress`` calls sum to ``manifest.total_size`` (a bar knows its
+    total up front): files already stored count at once, without being read.
     """
-    # Progress counts blobs already stored as done at once: the calls sum to
-    # total_size, so a progress bar knows its total up front.
     missing: dict[str, Path] = {}  # digest -> source file
     for e in manifest.entries:
         if e.kind != "file" or e.digest is None:
