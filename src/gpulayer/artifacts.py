@@ -367,8 +367,8 @@ class ArtifactStore:
         copy_file(src, dest, BLOB_MODE)
 
 
-# Reasons a hard link can fail where a copy would work (hard_link returns False): another filesystem,
-# too many links to one inode, no link support, or a policy forbidding it.
+# Why a hard link can fail where a copy works (hard_link returns False): another
+# filesystem, too many links to one inode, no link support, a policy against it.
 _LINK_FALLBACK_ERRNOS = frozenset(
     {errno.EXDEV, errno.EMLINK, errno.EPERM, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP}
 )
