@@ -17,7 +17,7 @@ from . import bundle, defaults
 from .errors import GPUlayerError, SpecError, WaitTimeout
 from .home import resolve_home
 from .jobs import JobInfo, LogLine, WorkerInfo
-from .spec import ArtifactRef, JobSpec, check_input_name, parse_spec
+from .spec import ArtifactRef, check_input_name, parse_spec
 from .transport import Transport
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,10 @@ class Client:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 
@@ -81,13 +84,23 @@ class Client:
     def transport(self) -> Transport:
         return self._transport
 
-    def ensure_local_workers(self, count: int, *, slots: int | None = None) -> list[WorkerInfo]:
-        """Start workers in this process until ``count`` run; returns them."""
+    def ensure_local_workers(
+        self, count: int, *, slots: int | None = None, kill_grace: float = defaults.KILL_GRACE_S
+    ) -> list[WorkerInfo]:
+        """Start workers in this process until ``count`` run; returns them.
+
+        ``slots`` sets a CPU-only worker's slot count (GPU workers have one per
+        GPU); ``kill_grace`` is how long a cancelled or timed-out job gets
+        between SIGTERM and SIGKILL.
+        """
         if count < 0:
             raise GPUlayerError(f"ensure_local_workers needs a count of 0 or more, got {count}")
         if self._embedded is None:
             raise GPUlayerError("this client is closed")
-        return [w.info for w in self._embedded.ensure_local_workers(count, slots=slots)]
+        return [
+            w.info
+            for w in self._embedded.ensure_local_workers(count, slots=slots, kill_grace=kill_grace)
+        ]
 
     # ---- jobs ----
 
@@ -127,7 +140,9 @@ class Client:
             "labels": dict(labels or {}),
         }
         if command is not None:
-            fields["command"] = [str(c) for c in command] if not isinstance(command, str) else command
+            fields["command"] = (
+                [str(c) for c in command] if not isinstance(command, str) else command
+            )
         source_dir = self._resolve_source(script, source, fields)
         # Validate everything before storing a byte (placeholders for artifacts).
         placeholder = "0" * 64
@@ -146,7 +161,10 @@ class Client:
         return Job(self, info, source_dir)
 
     def _resolve_source(
-        self, script: str | os.PathLike[str] | None, source: str | os.PathLike[str] | None, fields: dict[str, Any]
+        self,
+        script: str | os.PathLike[str] | None,
+        source: str | os.PathLike[str] | None,
+        fields: dict[str, Any],
     ) -> Path | None:
         if script is not None and "command" in fields:
             raise SpecError("command", "give a script or a command, not both")
@@ -162,7 +180,9 @@ class Client:
         try:
             fields["script"] = path.relative_to(src).as_posix()
         except ValueError:
-            raise SpecError("script", f"{script} is not inside the source directory {src}") from None
+            raise SpecError(
+                "script", f"{script} is not inside the source directory {src}"
+            ) from None
         return src
 
     def _check_inputs(self, inputs: Mapping[str, str | os.PathLike[str]]) -> dict[str, Path]:
@@ -183,7 +203,10 @@ class Client:
             biggest = ", ".join(f"{p} ({_size(s)})" for p, s in summary.largest)
             log.warning(
                 "the %s bundle of %s is %s (largest: %s); list data in .gpulayerignore and pass it as an input",
-                label, root, _size(summary.bytes), biggest,
+                label,
+                root,
+                _size(summary.bytes),
+                biggest,
             )
         files = {e.digest: root / e.path for e in manifest.entries if e.kind == "file" and e.digest}
         sizes = {e.digest: e.size for e in manifest.entries if e.kind == "file" and e.digest}
@@ -197,10 +220,21 @@ class Client:
             return ArtifactRef(kind="dir", digest=digest, size=size)
         digest = bundle.file_digest(path)
         size = path.stat().st_size
-        self._upload(self._transport.missing_blobs([digest]), {digest: path}, {digest: size}, f"storing input {path.name}")
+        self._upload(
+            self._transport.missing_blobs([digest]),
+            {digest: path},
+            {digest: size},
+            f"storing input {path.name}",
+        )
         return ArtifactRef(kind="file", digest=digest, size=size)
 
-    def _upload(self, digests: Iterable[str], paths: Mapping[str, Path], sizes: Mapping[str, int], label: str) -> None:
+    def _upload(
+        self,
+        digests: Iterable[str],
+        paths: Mapping[str, Path],
+        sizes: Mapping[str, int],
+        label: str,
+    ) -> None:
         digests = sorted(digests)
         total = sum(sizes[d] for d in digests)
         bar = self._progress if total >= defaults.PROGRESS_MIN_BYTES else _no_progress
@@ -211,7 +245,9 @@ class Client:
     def job(self, job_id: str) -> Job:
         return Job(self, self._transport.get_job(job_id))
 
-    def jobs(self, *, state: str | Iterable[str] | None = None, limit: int | None = None) -> list[Job]:
+    def jobs(
+        self, *, state: str | Iterable[str] | None = None, limit: int | None = None
+    ) -> list[Job]:
         states = [state] if isinstance(state, str) else list(state or [])
         return [Job(self, info) for info in self._transport.list_jobs(states=states, limit=limit)]
 
@@ -288,7 +324,11 @@ class Job:
         current directory for command jobs and jobs from elsewhere).
         """
         info = self.info if self.info.done else self.refresh()
-        base = Path(dest) if dest is not None else (self._source_dir or Path.cwd()) / defaults.RUNS_DIRNAME / self.id
+        base = (
+            Path(dest)
+            if dest is not None
+            else (self._source_dir or Path.cwd()) / defaults.RUNS_DIRNAME / self.id
+        )
         base.mkdir(parents=True, exist_ok=True)
         transport = self._client.transport
         from .artifacts import ArtifactStore

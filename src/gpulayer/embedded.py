@@ -40,7 +40,9 @@ class Embedded:
         self.home.claim_instance(self.instance_id)
         self.store = SqliteStore(self.home.db)
         self.artifacts = ArtifactStore(self.home.artifacts)
-        self.plane = ControlPlane(self.store, instance_id=self.instance_id, kill_orphan=_kill_orphan)
+        self.plane = ControlPlane(
+            self.store, instance_id=self.instance_id, kill_orphan=_kill_orphan
+        )
         self.transport = InProcessTransport(self.plane, self.artifacts)
         self.workers: list[Worker] = []
         self._lock = threading.Lock()
@@ -58,10 +60,15 @@ class Embedded:
             finally:
                 self.home.forget_instance(owner, fd)
         if recovered:
-            log.warning("recovered %d job(s) left by a GPUlayer process that died", len(recovered))
+            log.warning(
+                "took over %d job(s) from GPUlayer processes that are no longer running",
+                len(recovered),
+            )
         return recovered
 
-    def ensure_local_workers(self, count: int, *, slots: int | None = None) -> list[Worker]:
+    def ensure_local_workers(
+        self, count: int, *, slots: int | None = None, kill_grace: float = defaults.KILL_GRACE_S
+    ) -> list[Worker]:
         """Start workers in this process until ``count`` run.
 
         The machine's GPUs are split among the workers started together, so
@@ -83,6 +90,7 @@ class Embedded:
                     work_dir=self.home.path / "workers",
                     slots=None if share else slots,
                     gpus=share,
+                    kill_grace=kill_grace,
                 )
                 worker.start()
                 self.workers.append(worker)
@@ -91,6 +99,9 @@ class Embedded:
     def close(self) -> None:
         with self._lock:
             workers, self.workers = self.workers, []
+        # First stop all placement, so a job retried off one stopping worker
+        # is not placed on the next one to stop.
+        self.plane.close_workers()
         for worker in workers:
             worker.stop()
         self.store.close()

@@ -24,7 +24,9 @@ from pathlib import Path
 from . import defaults
 
 
-def resolve_home(home: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Path:
+def resolve_home(
+    home: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> Path:
     """Argument, then $GPULAYER_HOME, then ~/.gpulayer."""
     env = os.environ if env is None else env
     if home is not None:

@@ -20,7 +20,17 @@ from dataclasses import dataclass, field
 from . import defaults, jobs
 from .errors import InvalidStateError, JobNotFoundError
 from .ids import new_id
-from .jobs import CancelTask, Instruction, JobInfo, LogChunk, LogLine, RunTask, TaskResult, TaskStarted, WorkerInfo
+from .jobs import (
+    CancelTask,
+    Instruction,
+    JobInfo,
+    LogChunk,
+    LogLine,
+    RunTask,
+    TaskResult,
+    TaskStarted,
+    WorkerInfo,
+)
 from .scheduler import Assignment, Capacity, Request, explain, place
 from .spec import JobSpec, parse_spec
 from .store import Store, Transaction
@@ -86,8 +96,12 @@ class ControlPlane:
         now = self._clock()
         with self._lock:
             seq = self._seq + 1
-            job = JobInfo(id=new_id(), spec=spec, seq=seq, owner=self.instance_id, marks={"submitted": now})
-            self._queue[job.id] = _Pending(Request(job.id, spec.priority, seq, spec.gpus, spec.nodes), spec, 0)
+            job = JobInfo(
+                id=new_id(), spec=spec, seq=seq, owner=self.instance_id, marks={"submitted": now}
+            )
+            self._queue[job.id] = _Pending(
+                Request(job.id, spec.priority, seq, spec.gpus, spec.nodes), spec, 0
+            )
             try:
                 assignments = self._plan()
                 with self.store.transaction() as tx:
@@ -122,11 +136,21 @@ class ControlPlane:
         job = self.store.get_job(job_id) or self.store.get_job(self.resolve(job_id))
         assert job is not None
         if job.state == jobs.QUEUED and job.reason is None:
-            with self._lock:
-                pending = self._queue.get(job.id)
-                if pending is not None:
-                    job.reason = explain(pending.request, [w.capacity() for w in self._open_workers()])
+            job.reason = self._why_waiting(job)
         return job
+
+    def _why_waiting(self, job: JobInfo) -> str:
+        with self._lock:
+            pending = self._queue.get(job.id)
+            if pending is not None:
+                return explain(pending.request, [w.capacity() for w in self._open_workers()])
+        # Queued by another process on this home: judge by the workers on record.
+        spec = job.spec
+        caps = [
+            Capacity(w.id, tuple(w.slot_gpus), frozenset(range(len(w.slot_gpus))))
+            for w in self.store.list_workers()
+        ]
+        return explain(Request(job.id, spec.priority, job.seq, spec.gpus, spec.nodes), caps)
 
     def list_jobs(self, *, states: Iterable[str] = (), limit: int | None = None) -> list[JobInfo]:
         return self.store.list_jobs(states=states, limit=limit)
@@ -169,8 +193,14 @@ class ControlPlane:
                 del self._queue[job_id]
                 with self.store.transaction() as tx:
                     tx.request_cancel(job_id)
-                    tx.finish(job_id, state=jobs.CANCELLED, exit_code=None, reason="cancelled while queued",
-                              marks={"finished": now}, outputs={})
+                    tx.finish(
+                        job_id,
+                        state=jobs.CANCELLED,
+                        exit_code=None,
+                        reason="cancelled while queued",
+                        marks={"finished": now},
+                        outputs={},
+                    )
                 self._signal_done(job_id)
             elif job_id in self._running:
                 run = self._running[job_id]
@@ -185,7 +215,9 @@ class ControlPlane:
                 job = self.store.get_job(job_id)
                 assert job is not None
                 if job.done:
-                    raise InvalidStateError(f"job {job_id} is already {job.state}; there is nothing to cancel")
+                    raise InvalidStateError(
+                        f"job {job_id} is already {job.state}; there is nothing to cancel"
+                    )
                 # Owned by another live process on this home: flag it, and end
                 # the process tree ourselves; its owner records the outcome.
                 with self.store.transaction() as tx:
@@ -194,7 +226,9 @@ class ControlPlane:
                     self._kill_orphan(job.pid, job.pid_created)
         return self.get(job_id)
 
-    def read_logs(self, job_id: str, after: tuple[int, int] = (0, 0), timeout: float = 0.0) -> LogChunk:
+    def read_logs(
+        self, job_id: str, after: tuple[int, int] = (0, 0), timeout: float = 0.0
+    ) -> LogChunk:
         """Lines after ``after``; with ``timeout``, wait that long for some."""
         deadline = time.monotonic() + timeout
         while True:
@@ -233,7 +267,10 @@ class ControlPlane:
         info.started = info.last_seen = now
         with self._lock:
             self._workers[info.id] = _LiveWorker(
-                info=info, free=set(range(len(info.slot_gpus))), inbox=deque(), wake=threading.Condition(self._lock)
+                info=info,
+                free=set(range(len(info.slot_gpus))),
+                inbox=deque(),
+                wake=threading.Condition(self._lock),
             )
             assignments = self._plan()
             with self.store.transaction() as tx:
@@ -260,12 +297,23 @@ class ControlPlane:
                 self._record(tx, assignments, now)
             self._dispatch(assignments)
 
-    def acquire(self, worker_id: str, timeout: float = defaults.ACQUIRE_TIMEOUT_S) -> list[Instruction]:
+    def close_workers(self) -> None:
+        """Place nothing more on any worker (the control plane is shutting down)."""
+        with self._lock:
+            for worker in self._workers.values():
+                worker.closed = True
+                worker.wake.notify_all()
+
+    def acquire(
+        self, worker_id: str, timeout: float = defaults.ACQUIRE_TIMEOUT_S
+    ) -> list[Instruction]:
         """The worker's long poll: returns at once when work is placed on it."""
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is None:
-                raise InvalidStateError(f"worker {worker_id} is not registered with this control plane")
+                raise InvalidStateError(
+                    f"worker {worker_id} is not registered with this control plane"
+                )
             if not worker.inbox and not worker.closed:
                 worker.wake.wait(timeout)
             items = list(worker.inbox)
@@ -280,7 +328,11 @@ class ControlPlane:
             with self.store.transaction() as tx:
                 tx.start(
                     report.job_id,
-                    marks={"acquired": report.acquired, "prepared": report.prepared, "started": report.started},
+                    marks={
+                        "acquired": report.acquired,
+                        "prepared": report.prepared,
+                        "started": report.started,
+                    },
                     pid=report.pid,
                     pid_created=report.pid_created,
                 )
@@ -304,7 +356,10 @@ class ControlPlane:
                 stored = self.store.get_job(result.job_id)
                 cancel = cancel or bool(stored and stored.cancel_requested)
             state, again = jobs.next_state(
-                result, cancel_requested=cancel, attempt=run.attempt, max_retries=run.spec.max_retries
+                result,
+                cancel_requested=cancel,
+                attempt=run.attempt,
+                max_retries=run.spec.max_retries,
             )
             reason = jobs.describe_failure(result)
             marks = dict(result.marks)
@@ -315,11 +370,20 @@ class ControlPlane:
             assignments = self._plan()
             with self.store.transaction() as tx:
                 if again:
-                    tx.requeue(result.job_id, reason=f"retrying after attempt {run.attempt} {state}: {reason}",
-                               owner=self.instance_id)
+                    tx.requeue(
+                        result.job_id,
+                        reason=f"retrying after attempt {run.attempt} {state}: {reason}",
+                        owner=self.instance_id,
+                    )
                 else:
-                    tx.finish(result.job_id, state=state, exit_code=result.exit_code, reason=reason,
-                              marks=marks, outputs=result.outputs)
+                    tx.finish(
+                        result.job_id,
+                        state=state,
+                        exit_code=result.exit_code,
+                        reason=reason,
+                        marks=marks,
+                        outputs=result.outputs,
+                    )
                 self._record(tx, assignments, now)
             self._dispatch(assignments)
             if not again:
@@ -346,15 +410,23 @@ class ControlPlane:
                     if job.attempt <= job.spec.max_retries:
                         tx.requeue(job.id, reason=f"retrying: {reason}", owner=self.instance_id)
                     else:
-                        tx.finish(job.id, state=jobs.LOST, exit_code=None, reason=reason,
-                                  marks={"finished": now}, outputs={})
+                        tx.finish(
+                            job.id,
+                            state=jobs.LOST,
+                            exit_code=None,
+                            reason=reason,
+                            marks={"finished": now},
+                            outputs={},
+                        )
                     touched.append(job.id)
                 touched += tx.adopt_queued(dead_instance, self.instance_id)
                 tx.delete_workers(dead_instance)
             for job in self.store.list_jobs(states=[jobs.QUEUED], owner=self.instance_id):
                 if job.id not in self._queue:
                     self._queue[job.id] = _Pending(
-                        Request(job.id, job.spec.priority, job.seq, job.spec.gpus, job.spec.nodes), job.spec, job.attempt
+                        Request(job.id, job.spec.priority, job.seq, job.spec.gpus, job.spec.nodes),
+                        job.spec,
+                        job.attempt,
                     )
             assignments = self._plan()
             with self.store.transaction() as tx:
@@ -378,7 +450,14 @@ class ControlPlane:
     def _record(self, tx: Transaction, assignments: list[Assignment], now: float) -> None:
         for a in assignments:
             pending = self._queue[a.job_id]
-            tx.place(a.job_id, worker=a.worker_id, slots=a.slots, gpus=a.gpus, attempt=pending.attempt + 1, at=now)
+            tx.place(
+                a.job_id,
+                worker=a.worker_id,
+                slots=a.slots,
+                gpus=a.gpus,
+                attempt=pending.attempt + 1,
+                at=now,
+            )
 
     def _dispatch(self, assignments: list[Assignment]) -> None:
         """Apply committed placements in memory and wake the chosen workers."""
@@ -388,9 +467,17 @@ class ControlPlane:
             worker = self._workers[a.worker_id]
             worker.free.difference_update(a.slots)
             worker.running.add(a.job_id)
-            self._running[a.job_id] = _Running(a.worker_id, attempt, a.slots, pending.spec, pending.request.seq)
+            self._running[a.job_id] = _Running(
+                a.worker_id, attempt, a.slots, pending.spec, pending.request.seq
+            )
             worker.inbox.append(
-                RunTask(job_id=a.job_id, attempt=attempt, spec=pending.spec, slots=list(a.slots), gpus=list(a.gpus))
+                RunTask(
+                    job_id=a.job_id,
+                    attempt=attempt,
+                    spec=pending.spec,
+                    slots=list(a.slots),
+                    gpus=list(a.gpus),
+                )
             )
             worker.wake.notify()
 
@@ -404,14 +491,25 @@ class ControlPlane:
 
     def _requeue(self, job_id: str, run: _Running) -> None:
         spec = run.spec
-        self._queue[job_id] = _Pending(Request(job_id, spec.priority, run.seq, spec.gpus, spec.nodes), spec, run.attempt)
+        self._queue[job_id] = _Pending(
+            Request(job_id, spec.priority, run.seq, spec.gpus, spec.nodes), spec, run.attempt
+        )
 
-    def _end_lost(self, tx: Transaction, run: _Running, job_id: str, reason: str, now: float) -> None:
+    def _end_lost(
+        self, tx: Transaction, run: _Running, job_id: str, reason: str, now: float
+    ) -> None:
         if run.attempt <= run.spec.max_retries:
             self._requeue(job_id, run)
             tx.requeue(job_id, reason=f"retrying: {reason}", owner=self.instance_id)
         else:
-            tx.finish(job_id, state=jobs.LOST, exit_code=None, reason=reason, marks={"finished": now}, outputs={})
+            tx.finish(
+                job_id,
+                state=jobs.LOST,
+                exit_code=None,
+                reason=reason,
+                marks={"finished": now},
+                outputs={},
+            )
             self._signal_done(job_id)
 
     def _signal_done(self, job_id: str) -> None:

@@ -59,6 +59,7 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     labels: dict[str, str] = {}
 
 
+_CHOICES = {"launcher": LAUNCHERS}
 _FIELD_RE = re.compile(r"at `\$\.?([^`]*)`")
 
 
@@ -74,6 +75,8 @@ def parse_spec(data: Mapping[str, Any] | JobSpec) -> JobSpec:
             match = _FIELD_RE.search(message)
             field = match.group(1) if match else _unknown_field(message)
             reason = _FIELD_RE.sub("", message).strip(" -")
+            if field in _CHOICES:
+                reason += f"; valid values: {', '.join(_CHOICES[field])}"
             raise SpecError(field or "spec", reason) from None
     check_spec(spec)
     return spec
@@ -116,7 +119,9 @@ def check_relative_path(field: str, path: str) -> None:
     if not path or "\x00" in path:
         raise SpecError(field, "must be a non-empty path")
     if path.startswith("/") or re.match(r"^[A-Za-z]:[\\/]", path):
-        raise SpecError(field, f"must be relative to the job's workspace, got absolute path {path!r}")
+        raise SpecError(
+            field, f"must be relative to the job's workspace, got absolute path {path!r}"
+        )
     if ".." in re.split(r"[\\/]", path):
         raise SpecError(field, f"must stay inside the job's workspace, got {path!r}")
 

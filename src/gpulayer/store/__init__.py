@@ -24,11 +24,20 @@ class Transaction(abc.ABC):
 
     @abc.abstractmethod
     def place(
-        self, job_id: str, *, worker: str, slots: Sequence[int], gpus: Sequence[int], attempt: int, at: float
+        self,
+        job_id: str,
+        *,
+        worker: str,
+        slots: Sequence[int],
+        gpus: Sequence[int],
+        attempt: int,
+        at: float,
     ) -> None: ...
 
     @abc.abstractmethod
-    def start(self, job_id: str, *, marks: dict[str, float], pid: int, pid_created: float | None) -> None: ...
+    def start(
+        self, job_id: str, *, marks: dict[str, float], pid: int, pid_created: float | None
+    ) -> None: ...
 
     @abc.abstractmethod
     def finish(

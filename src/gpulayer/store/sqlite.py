@@ -36,7 +36,23 @@ _FINAL = tuple(sorted(FINAL_STATES))
 
 
 def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> JobInfo:
-    (jid, seq, state, spec, attempt, owner, worker, slots, gpus, code, reason, cancel, pid, pcreated, marks) = row
+    (
+        jid,
+        seq,
+        state,
+        spec,
+        attempt,
+        owner,
+        worker,
+        slots,
+        gpus,
+        code,
+        reason,
+        cancel,
+        pid,
+        pcreated,
+        marks,
+    ) = row
     return JobInfo(
         id=str(jid),
         seq=int(seq),  # type: ignore[call-overload]
@@ -61,28 +77,41 @@ class _SqliteTransaction(Transaction):
     def __init__(self, db: sqlite3.Connection) -> None:
         self.db = db
 
-    def _merge_marks(self, job_id: str, marks: dict[str, float]) -> None:
-        # json_patch merges in SQL: no read-modify-write round trip.
-        self.db.execute(
-            "UPDATE jobs SET marks = json_patch(marks, ?) WHERE id = ?", (_encode(marks), job_id)
-        )
-
     def insert_job(self, job: JobInfo) -> None:
         self.db.execute(
             "INSERT INTO jobs (id, seq, name, state, priority, spec, owner, marks) VALUES (?,?,?,?,?,?,?,?)",
-            (job.id, job.seq, job.spec.name, job.state, job.spec.priority, _encode(job.spec), job.owner, _encode(job.marks)),
+            (
+                job.id,
+                job.seq,
+                job.spec.name,
+                job.state,
+                job.spec.priority,
+                _encode(job.spec),
+                job.owner,
+                _encode(job.marks),
+            ),
         )
 
     def place(
-        self, job_id: str, *, worker: str, slots: Sequence[int], gpus: Sequence[int], attempt: int, at: float
+        self,
+        job_id: str,
+        *,
+        worker: str,
+        slots: Sequence[int],
+        gpus: Sequence[int],
+        attempt: int,
+        at: float,
     ) -> None:
         self.db.execute(
             "UPDATE jobs SET state='running', worker=?, slots=?, gpus=?, attempt=?, reason=NULL, "
-            "exit_code=NULL, marks=json_set(marks, '$.placed', ?) WHERE id=?",
-            (worker, _encode(list(slots)), _encode(list(gpus)), attempt, at, job_id),
+            "exit_code=NULL, marks=json_set(marks, '$.placed', json(?)) WHERE id=?",
+            # Numbers go in as JSON text: SQLite renders bound REALs with 15 digits.
+            (worker, _encode(list(slots)), _encode(list(gpus)), attempt, _encode(at), job_id),
         )
 
-    def start(self, job_id: str, *, marks: dict[str, float], pid: int, pid_created: float | None) -> None:
+    def start(
+        self, job_id: str, *, marks: dict[str, float], pid: int, pid_created: float | None
+    ) -> None:
         self.db.execute(
             "UPDATE jobs SET pid=?, pid_created=?, marks=json_patch(marks, ?) WHERE id=?",
             (pid, pid_created, _encode(marks), job_id),
@@ -121,7 +150,8 @@ class _SqliteTransaction(Transaction):
 
     def adopt_queued(self, from_owner: str, to_owner: str) -> list[str]:
         rows = self.db.execute(
-            "UPDATE jobs SET owner=? WHERE owner=? AND state='queued' RETURNING id", (to_owner, from_owner)
+            "UPDATE jobs SET owner=? WHERE owner=? AND state='queued' RETURNING id",
+            (to_owner, from_owner),
         ).fetchall()
         return [r[0] for r in rows]
 
@@ -198,14 +228,17 @@ class SqliteStore(Store):
             return found
         marks = ",".join("?" * len(job_ids))
         for jid, path, kind, digest, size in self._db.execute(
-            f"SELECT job_id, path, kind, digest, size FROM outputs WHERE job_id IN ({marks})", job_ids
+            f"SELECT job_id, path, kind, digest, size FROM outputs WHERE job_id IN ({marks})",
+            job_ids,
         ):
             found.setdefault(jid, {})[path] = ArtifactRef(kind=kind, digest=digest, size=size)
         return found
 
     def get_job(self, job_id: str) -> JobInfo | None:
         with self._lock:
-            row = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id=?", (job_id,)).fetchone()
+            row = self._db.execute(
+                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id=?", (job_id,)
+            ).fetchone()
             if row is None:
                 return None
             return _job_from_row(row, self._outputs([job_id]).get(job_id, {}))
@@ -213,14 +246,16 @@ class SqliteStore(Store):
     def find_job(self, prefix: str) -> list[str]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT id FROM jobs WHERE id >= ? AND id < ? ORDER BY id LIMIT 2", (prefix, prefix + "\uffff")
+                "SELECT id FROM jobs WHERE id >= ? AND id < ? ORDER BY id LIMIT 2",
+                (prefix, prefix + "\uffff"),
             ).fetchall()
         return [r[0] for r in rows]
 
     def list_jobs(
         self, *, states: Iterable[str] = (), owner: str | None = None, limit: int | None = None
     ) -> list[JobInfo]:
-        where, params = [], []
+        where: list[str] = []
+        params: list[object] = []
         states = tuple(states)
         if states:
             where.append(f"state IN ({','.join('?' * len(states))})")

@@ -26,7 +26,9 @@ class Transport(abc.ABC):
     def get_job(self, job_id: str) -> JobInfo: ...
 
     @abc.abstractmethod
-    def list_jobs(self, *, states: Iterable[str] = (), limit: int | None = None) -> list[JobInfo]: ...
+    def list_jobs(
+        self, *, states: Iterable[str] = (), limit: int | None = None
+    ) -> list[JobInfo]: ...
 
     @abc.abstractmethod
     def wait(self, job_id: str, timeout: float | None) -> JobInfo: ...
@@ -46,7 +48,10 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def upload_blob(
-        self, path: Path, digest: str | None = None, on_progress: Callable[[int], None] | None = None
+        self,
+        path: Path,
+        digest: str | None = None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> str:
         """Store the file's bytes (skipped when ``digest`` is already held); return its digest."""
 

@@ -43,7 +43,10 @@ class InProcessTransport(Transport):
         return {d for d in digests if not self.artifacts.has(d)}
 
     def upload_blob(
-        self, path: Path, digest: str | None = None, on_progress: Callable[[int], None] | None = None
+        self,
+        path: Path,
+        digest: str | None = None,
+        on_progress: Callable[[int], None] | None = None,
     ) -> str:
         return self.artifacts.put_file(path, digest=digest, on_progress=on_progress)
 
@@ -53,7 +56,9 @@ class InProcessTransport(Transport):
     def download_blob(self, digest: str, cache: ArtifactStore) -> Path:
         if cache.root == self.artifacts.root:
             if not self.artifacts.has(digest):
-                raise ArtifactError(f"artifact {digest} is not in the store at {self.artifacts.root}")
+                raise ArtifactError(
+                    f"artifact {digest} is not in the store at {self.artifacts.root}"
+                )
             return self.artifacts.path(digest)
         if not cache.has(digest):
             cache.link_from(self.artifacts.path(digest), digest)

@@ -104,7 +104,12 @@ class LogSender:
             self._send(task.job_id, task.attempt, lines)
         except Exception:
             # Keep the lines (within the bound) for the next batch.
-            log.warning("could not send %d log lines of job %s; will retry", len(lines), task.job_id, exc_info=True)
+            log.warning(
+                "could not send %d log lines of job %s; will retry",
+                len(lines),
+                task.job_id,
+                exc_info=True,
+            )
             with self.cond:
                 task.pending.extendleft(reversed(lines[-self.max_lines :]))
                 self.dirty = True

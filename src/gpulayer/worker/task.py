@@ -17,6 +17,7 @@ then SIGKILL (``process.terminate_tree``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -73,7 +74,9 @@ class TaskRun:
         self._early: TaskResult | None = None  # the result when it never ran
         self._cwd = task_dir
         self._stderr_tail: deque[str] = deque(maxlen=defaults.STDERR_TAIL_LINES)
-        self.thread = threading.Thread(target=self._run, name=f"gpulayer-task-{task.job_id}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"gpulayer-task-{task.job_id}", daemon=True
+        )
 
     @property
     def key(self) -> tuple[str, int]:
@@ -144,7 +147,11 @@ class TaskRun:
         spec = self.task.spec
         ws = prepare(self.task, self.dir, self.transport, self.cache)
         self._cwd = ws.cwd
-        argv = [sys.executable, spec.script, *spec.args] if spec.script else [*(spec.command or []), *spec.args]
+        argv = (
+            [sys.executable, spec.script, *spec.args]
+            if spec.script
+            else [*(spec.command or []), *spec.args]
+        )
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")  # logs arrive as printed, not at exit
         env.update(spec.env)
@@ -197,21 +204,19 @@ class TaskRun:
         outputs, missing = collect_outputs(spec.outputs, self._cwd, self.transport)
         with self._lock:
             ending = self._ending
-        return self._result(ending or "exited", exit_code=code, outputs=outputs, missing_outputs=missing)
+        return self._result(
+            ending or "exited", exit_code=code, outputs=outputs, missing_outputs=missing
+        )
 
     def _end_strays(self, pgid: int, readers: list[threading.Thread]) -> None:
         """The main process is gone; end what it left in its group, then drain the pipes."""
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the usual case: nothing left behind
             os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass  # the usual case: nothing left behind
         for reader in readers:
             reader.join(defaults.PIPE_DRAIN_S)
         if any(r.is_alive() for r in readers):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             for reader in readers:
                 reader.join(defaults.PIPE_DRAIN_S)
 

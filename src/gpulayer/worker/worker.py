@@ -25,7 +25,7 @@ from pathlib import Path
 from .. import defaults
 from ..artifacts import ArtifactStore
 from ..errors import WorkerError
-from ..jobs import CancelTask, RunTask, WorkerInfo
+from ..jobs import CancelTask, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
 from .gpus import Gpu, detect_gpus
 from .logs import LogSender
@@ -56,11 +56,17 @@ class Worker:
         self.gpus = detect_gpus() if gpus is None else gpus
         vendors = {g.vendor for g in self.gpus}
         if len(vendors) > 1:
-            raise WorkerError("a worker drives one GPU vendor; start one worker per vendor with --gpus")
+            raise WorkerError(
+                "a worker drives one GPU vendor; start one worker per vendor with --gpus"
+            )
         self.vendor = vendors.pop() if vendors else None
         if self.gpus and slots is not None and slots != len(self.gpus):
-            raise WorkerError(f"this machine has {len(self.gpus)} GPUs: a GPU worker has one slot per GPU, not {slots}")
-        slot_gpus: list[int | None] = [g.index for g in self.gpus] if self.gpus else [None] * (slots or 1)
+            raise WorkerError(
+                f"this machine has {len(self.gpus)} GPUs: a GPU worker has one slot per GPU, not {slots}"
+            )
+        slot_gpus: list[int | None] = (
+            [g.index for g in self.gpus] if self.gpus else [None] * (slots or 1)
+        )
         self.info = WorkerInfo(
             id="",
             name=name or f"{socket.gethostname()}-{os.getpid()}",
@@ -86,7 +92,9 @@ class Worker:
         self.info = self.transport.register_worker(self.info)
         self.tasks_dir = self.work_dir / self.info.id
         self._spares = [make_spare(self._new_dir()) for _ in self.info.slot_gpus[:4]]
-        self._thread = threading.Thread(target=self._loop, name=f"gpulayer-worker-{self.info.id}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"gpulayer-worker-{self.info.id}", daemon=True
+        )
         self._thread.start()
 
     def _loop(self) -> None:
@@ -112,6 +120,13 @@ class Worker:
         return self.tasks_dir / f"task-{next(self._dir_numbers)}"
 
     def _start_task(self, task: RunTask, acquired: float) -> None:
+        if self._stopping.is_set():  # placed as we stopped: hand it back at once
+            self.transport.task_finished(
+                TaskResult(
+                    job_id=task.job_id, attempt=task.attempt, worker_id=self.info.id, outcome="lost"
+                )
+            )
+            return
         with self._tasks_lock:
             task_dir = self._spares.pop() if self._spares else self._new_dir()
         run = TaskRun(

@@ -106,4 +106,3 @@ def collect_outputs(
             else:
                 missing.append(rel)
     return found, missing
-

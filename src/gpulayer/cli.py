@@ -1,0 +1,398 @@
+"""The ``gpulayer`` command: a thin layer over :class:`gpulayer.Client`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .client import Client, Job
+from .errors import GPUlayerError, SpecError
+
+# How `gpulayer run` exits for each final state (a failed job passes its own code on).
+EXIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 130, "timed_out": 124, "lost": 1}
+
+SUBMIT_KEYS = (
+    "script",
+    "args",
+    "command",
+    "source",
+    "inputs",
+    "outputs",
+    "env",
+    "gpus",
+    "nodes",
+    "procs_per_node",
+    "launcher",
+    "priority",
+    "max_retries",
+    "timeout",
+    "name",
+    "labels",
+)
+
+
+def _pairs(values: Sequence[str], option: str) -> dict[str, str]:
+    found = {}
+    for value in values:
+        key, sep, rest = value.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected NAME=VALUE, got {value!r}", param_hint=option)
+        found[key] = rest
+    return found
+
+
+@contextmanager
+def _progress_bar(total: int, label: str) -> Iterator[Callable[[int], None]]:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        transient=True,
+    ) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def _client(ctx: click.Context) -> Client:
+    opts = ctx.obj
+    if "client" not in opts:
+        client = Client(
+            opts["server"], token=opts["token"], home=opts["home"], progress=_progress_bar
+        )
+        ctx.call_on_close(client.close)
+        opts["client"] = client
+    return opts["client"]  # type: ignore[no-any-return]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--home",
+    envvar="GPULAYER_HOME",
+    type=click.Path(file_okay=False),
+    help="GPUlayer home (embedded mode).",
+)
+@click.option("--server", envvar="GPULAYER_SERVER", help="Control-plane URL (server mode).")
+@click.option("--token", envvar="GPULAYER_TOKEN", help="API token for the server.")
+@click.option("-v", "--verbose", is_flag=True, help="Say more about what happens.")
+@click.version_option(package_name="gpulayer")
+@click.pass_context
+def main(
+    ctx: click.Context, home: str | None, server: str | None, token: str | None, verbose: bool
+) -> None:
+    """Run ML jobs on the GPU machines you already own."""
+    ctx.obj = {"home": home, "server": server, "token": token}
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("gpulayer: %(message)s"))
+    root = logging.getLogger("gpulayer")
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    file = Path(path)
+    try:
+        data = yaml.safe_load(file.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise SpecError("file", f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise SpecError("file", f"{path} must hold a mapping of job fields")
+    unknown = sorted(set(data) - set(SUBMIT_KEYS))
+    if unknown:
+        raise SpecError(
+            unknown[0], f"unknown field in {path}; known fields: {', '.join(SUBMIT_KEYS)}"
+        )
+    base = file.resolve().parent
+    for key in ("script", "source"):
+        if isinstance(data.get(key), str):
+            data[key] = str(base / data[key])
+    if isinstance(data.get("inputs"), dict):
+        data["inputs"] = {k: str(base / str(v)) for k, v in data["inputs"].items()}
+    return data
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": True})
+@click.argument("target", required=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option(
+    "-f",
+    "--file",
+    "job_file",
+    type=click.Path(dir_okay=False, exists=True),
+    help="A job described in YAML.",
+)
+@click.option("--gpus", type=int, help="Whole GPUs per node.")
+@click.option("--nodes", type=int, help="Nodes (tasks) for a distributed job.")
+@click.option("--procs-per-node", type=int, help="Ranks per node.")
+@click.option(
+    "--launcher", type=click.Choice(["direct", "torchrun"]), help="Launcher for distributed jobs."
+)
+@click.option(
+    "--input", "inputs", multiple=True, metavar="NAME=PATH", help="A file or folder the job reads."
+)
+@click.option(
+    "--output",
+    "outputs",
+    multiple=True,
+    metavar="PATH",
+    help="A path (or glob) to keep when it ends.",
+)
+@click.option(
+    "--env", "env", multiple=True, metavar="K=V", help="An environment variable for the job."
+)
+@click.option("--label", "labels", multiple=True, metavar="K=V", help="A label to find the job by.")
+@click.option(
+    "--source",
+    type=click.Path(file_okay=False, exists=True),
+    help="Folder to ship (default: the script's).",
+)
+@click.option("--priority", type=int, help="Higher runs first.")
+@click.option("--retries", "max_retries", type=int, help="Times to retry a failed or lost job.")
+@click.option("--timeout", type=float, help="Seconds before the job is terminated.")
+@click.option("--name", help="A name for the job.")
+@click.option(
+    "--workers",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Local workers to run (embedded mode).",
+)
+@click.option(
+    "--follow/--detach", default=True, help="Stream logs and wait (default), or return at once."
+)
+@click.option(
+    "--download/--no-download", default=True, help="Fetch outputs into gpulayer_runs/ at the end."
+)
+@click.pass_context
+def run(
+    ctx: click.Context,
+    /,
+    target: str | None,
+    args: tuple[str, ...],
+    job_file: str | None,
+    workers: int,
+    follow: bool,
+    download: bool,
+    **flags: Any,
+) -> None:
+    """Run TARGET (a .py script, or any command) as a job.
+
+    Logs stream to this terminal and the command exits with the job's exit
+    code. GPUlayer's own options may come before or after TARGET; arguments
+    it does not know go to the job. After `--`, everything goes to the job.
+    """
+    fields = _load_yaml(job_file) if job_file else {}
+    if target is not None:
+        if target.endswith(".py"):
+            fields["script"], fields["args"] = target, list(args)
+        else:
+            fields["command"], fields["args"] = [target, *args], []
+    if "script" not in fields and "command" not in fields:
+        raise click.UsageError("give a script or command to run, or -f job.yaml")
+    for key, option in (("inputs", "--input"), ("env", "--env"), ("labels", "--label")):
+        if flags[key]:
+            fields[key] = {**fields.get(key, {}), **_pairs(flags[key], option)}
+    if flags["outputs"]:
+        fields["outputs"] = [*fields.get("outputs", []), *flags["outputs"]]
+    for key in (
+        "gpus",
+        "nodes",
+        "procs_per_node",
+        "launcher",
+        "source",
+        "priority",
+        "max_retries",
+        "timeout",
+        "name",
+    ):
+        if flags[key] is not None:
+            fields[key] = flags[key]
+    client = _client(ctx)
+    if not follow and ctx.obj["server"] is None:
+        raise click.UsageError(
+            "--detach needs a server: an embedded job runs only while this command does"
+        )
+    client.ensure_local_workers(workers)
+    job = client.submit(**fields)
+    click.echo(f"gpulayer: job {job.id} submitted", err=True)
+    try:
+        _stream(job)
+        state = job.wait()
+    except KeyboardInterrupt:
+        click.echo(f"\ngpulayer: cancelling job {job.id}", err=True)
+        state = job.cancel()
+        state = job.wait()
+    info = job.info
+    total = info.timings().get("total")
+    took = f" in {total:.2f} s" if total is not None else ""
+    click.echo(f"gpulayer: job {job.id} {state}{took}", err=True)
+    if info.reason and state != "succeeded":
+        click.echo(f"gpulayer: {info.reason.splitlines()[0]}", err=True)
+    if download and info.outputs:
+        click.echo(f"gpulayer: outputs in {job.download_outputs()}", err=True)
+    code = EXIT_CODES.get(state, 1)
+    if state == "failed" and info.exit_code:
+        code = info.exit_code if info.exit_code > 0 else 128 - info.exit_code
+    ctx.exit(code)
+
+
+def _stream(job: Job) -> None:
+    out, err = sys.stdout, sys.stderr
+    for line in job.stream_logs(follow=True):
+        stream = out if line.stream == "stdout" else err
+        stream.write(line.text + "\n")
+        stream.flush()
+
+
+@main.command()
+@click.option("--state", "states", multiple=True, help="Only jobs in this state (repeatable).")
+@click.option("--limit", type=int, default=50, show_default=True)
+@click.pass_context
+def jobs(ctx: click.Context, states: tuple[str, ...], limit: int) -> None:
+    """List jobs, newest first."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None)
+    for column in ("ID", "NAME", "STATE", "EXIT", "GPUS", "WORKER", "SUBMITTED", "TOOK"):
+        table.add_column(column, no_wrap=True, max_width=28 if column == "NAME" else None)
+    for job in _client(ctx).jobs(state=states or None, limit=limit):
+        info = job.info
+        took = info.timings().get("total")
+        submitted = info.marks.get("submitted")
+        table.add_row(
+            info.id,
+            info.spec.name or _what(info.spec),
+            _state(info.state),
+            "" if info.exit_code is None else str(info.exit_code),
+            str(info.spec.gpus),
+            info.worker or "",
+            time.strftime("%m-%d %H:%M:%S", time.localtime(submitted)) if submitted else "",
+            "" if took is None else f"{took:.2f}s",
+        )
+    Console().print(table)
+
+
+def _what(spec: Any) -> str:
+    what = spec.script or " ".join(spec.command or [])
+    return what if len(what) <= 40 else what[:37] + "..."
+
+
+def _state(state: str) -> str:
+    colour = {
+        "succeeded": "green",
+        "failed": "red",
+        "running": "cyan",
+        "queued": "yellow",
+        "timed_out": "red",
+        "lost": "red",
+        "cancelled": "magenta",
+    }.get(state, "white")
+    return f"[{colour}]{state}[/]"
+
+
+@main.command()
+@click.argument("job_id")
+@click.pass_context
+def show(ctx: click.Context, job_id: str) -> None:
+    """Everything about one job, with where its time went."""
+    from rich.console import Console
+    from rich.table import Table
+
+    info = _client(ctx).job(job_id).info
+    console = Console()
+    spec = info.spec
+    rows: Mapping[str, object] = {
+        "id": info.id,
+        "name": spec.name,
+        "state": _state(info.state),
+        "exit code": info.exit_code,
+        "run": _what(spec) + (" " + " ".join(spec.args) if spec.args and spec.script else ""),
+        "gpus": spec.gpus,
+        "priority": spec.priority,
+        "attempt": info.attempt,
+        "retries allowed": spec.max_retries,
+        "timeout": spec.timeout,
+        "worker": info.worker,
+        "gpu ids": ",".join(map(str, info.gpus)) or None,
+        "labels": ", ".join(f"{k}={v}" for k, v in spec.labels.items()) or None,
+    }
+    table = Table(box=None, show_header=False)
+    for key, value in rows.items():
+        if value is not None:
+            table.add_row(f"[bold]{key}", str(value))
+    console.print(table)
+    if info.reason:
+        title = "why it waits" if info.state == "queued" else "reason"
+        console.print(f"[bold]{title}:[/] {info.reason}")
+    timings = info.timings()
+    if timings:
+        t = Table("stage", "seconds", box=None, title="timings")
+        for stage, seconds in timings.items():
+            t.add_row(stage, f"{seconds:.4f}")
+        console.print(t)
+    if info.outputs:
+        t = Table("output", "kind", "bytes", "digest", box=None)
+        for path, ref in info.outputs.items():
+            t.add_row(path, ref.kind, str(ref.size), ref.digest[:16])
+        console.print(t)
+
+
+@main.command()
+@click.argument("job_id")
+@click.option("-f", "--follow", is_flag=True, help="Keep streaming until the job ends.")
+@click.pass_context
+def logs(ctx: click.Context, job_id: str, follow: bool) -> None:
+    """Print a job's output."""
+    job = _client(ctx).job(job_id)
+    for line in job.stream_logs(follow=follow):
+        click.echo(line.text, err=line.stream != "stdout")
+
+
+@main.command()
+@click.argument("job_id")
+@click.pass_context
+def cancel(ctx: click.Context, job_id: str) -> None:
+    """Cancel a job: queued ones never start, running ones are terminated."""
+    job = _client(ctx).job(job_id)
+    state = job.cancel()
+    click.echo(f"job {job.id}: {state}{' (cancel requested)' if state == 'running' else ''}")
+
+
+@main.command()
+@click.pass_context
+def workers(ctx: click.Context) -> None:
+    """List the workers connected to the control plane."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("ID", "NAME", "HOST", "SLOTS", "GPUS", "RUNNING", box=None)
+    for w in _client(ctx).workers():
+        gpus = ", ".join(w.gpu_names) if w.gpu_names else "-"
+        table.add_row(
+            w.id, w.name, w.host, str(len(w.slot_gpus)), gpus, ", ".join(w.running) or "-"
+        )
+    Console().print(table)
+
+
+def _main() -> None:
+    try:
+        main(standalone_mode=True)
+    except GPUlayerError as exc:
+        click.echo(f"gpulayer: error: {exc}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    _main()

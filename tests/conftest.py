@@ -1,0 +1,53 @@
+"""Fixtures that start real things and always clean up after them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import gpulayer
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No test touches ~/.gpulayer: each gets its own home."""
+    home = tmp_path / "gpulayer-home"
+    monkeypatch.setenv("GPULAYER_HOME", str(home))
+    monkeypatch.delenv("GPULAYER_SERVER", raising=False)
+    return home
+
+
+@pytest.fixture
+def home(_isolated_home: Path) -> Path:
+    return _isolated_home
+
+
+@pytest.fixture
+def client(home: Path) -> Iterator[gpulayer.Client]:
+    """An embedded client with two one-slot local workers and a short kill grace."""
+    before = threading.active_count()
+    with gpulayer.Client(home=home) as c:
+        c.ensure_local_workers(2, kill_grace=0.5)
+        yield c
+    # Worker and task threads end with the client (log sender included).
+    assert threading.active_count() <= before + 1, threading.enumerate()
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A small script directory, like a user's project."""
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / "train.py").write_text(
+        "import json, os, sys\n"
+        "from helper import greet\n"
+        "print(greet(sys.argv[1:]))\n"
+        "data = open(os.path.join(os.environ['GPULAYER_INPUTS'], 'data')).read() if 'GPULAYER_INPUTS' in os.environ else ''\n"
+        "os.makedirs('out', exist_ok=True)\n"
+        "json.dump({'args': sys.argv[1:], 'data': data}, open('out/result.json', 'w'))\n"
+    )
+    (root / "helper.py").write_text("def greet(args):\n    return 'hello ' + ' '.join(args)\n")
+    return root

@@ -1,0 +1,102 @@
+"""The gpulayer command, run for real in subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GPULAYER = [sys.executable, "-m", "gpulayer.cli"]
+
+
+def gl(*args: str, home: Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "GPULAYER_HOME": str(home), "COLUMNS": "200"}
+    return subprocess.run(
+        [*GPULAYER, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=120
+    )
+
+
+def test_run_streams_logs_and_downloads_outputs(home: Path, project: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data.txt"
+    data.write_text("cli data")
+    done = gl(
+        "run",
+        str(project / "train.py"),
+        "x",
+        "--input",
+        f"data={data}",
+        "--output",
+        "out/result.json",
+        home=home,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "hello x" in done.stdout
+    assert "succeeded" in done.stderr and "source bundle" in done.stderr
+    runs = list((project / "gpulayer_runs").iterdir())
+    assert len(runs) == 1 and (runs[0] / "out" / "result.json").exists()
+
+    job_id = runs[0].name
+    listed = gl("jobs", home=home)
+    assert job_id in listed.stdout and "succeeded" in listed.stdout
+    shown = gl("show", job_id[:9], home=home)
+    assert shown.returncode == 0
+    for word in ("timings", "dispatch", "prepare", "run", "total", "out/result.json"):
+        assert word in shown.stdout
+    assert gl("logs", job_id, home=home).stdout == "hello x\n"
+    assert "running" not in gl("workers", home=home).stdout
+
+
+def test_run_exits_with_the_jobs_exit_code(home: Path) -> None:
+    done = gl(
+        "run",
+        "--",
+        sys.executable,
+        "-c",
+        "import sys; print('oops', file=sys.stderr); sys.exit(7)",
+        home=home,
+    )
+    assert done.returncode == 7
+    assert "oops" in done.stderr and "failed" in done.stderr
+
+
+def test_run_a_yaml_job(home: Path, project: Path) -> None:
+    (project / "job.yaml").write_text(
+        "script: train.py\nargs: [from, yaml]\nname: yamljob\nenv: {A: b}\n"
+    )
+    done = gl("run", "-f", str(project / "job.yaml"), home=home)
+    assert done.returncode == 0, done.stderr
+    assert "hello from yaml" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "--gpus", "-1", "x.py"], "gpus"),
+        (["run", "--input", "nonsense", "--", "true"], "NAME=VALUE"),
+        (["show", "nosuchjob"], "no job with id"),
+        (["run"], "give a script or command"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(
+    home: Path, tmp_path: Path, args: list[str], message: str
+) -> None:
+    (tmp_path / "x.py").write_text("pass\n")
+    done = gl(*args, home=home, cwd=tmp_path)
+    assert done.returncode != 0
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_show_says_why_a_job_waits(home: Path) -> None:
+    import gpulayer
+
+    with gpulayer.Client(home=home) as client:
+        client.ensure_local_workers(1)
+        job = client.submit(command=["true"], gpus=4)
+        shown = gl("show", job.id, home=home)
+        assert "queued" in shown.stdout
+        assert "why it waits" in shown.stdout and "no worker has that many" in shown.stdout
+        job.cancel()

@@ -1,0 +1,248 @@
+"""The life of a job, end to end, with real worker threads and real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import gpulayer
+from gpulayer.errors import InvalidStateError, SpecError
+
+from helpers import PY, pids_alive
+
+
+def wait_for_line(job: gpulayer.Job, prefix: str) -> str:
+    """Follow the job's logs until a line starts with ``prefix``."""
+    for line in job.stream_logs(follow=True):
+        if line.text.startswith(prefix):
+            return line.text
+    raise AssertionError(f"job ended ({job.status}) without printing {prefix!r}:\n{job.logs()}")
+
+
+def test_script_job_with_input_and_output(
+    client: gpulayer.Client, project: Path, tmp_path: Path
+) -> None:
+    data = tmp_path / "data.txt"
+    data.write_text("42 apples")
+    job = client.submit(
+        project / "train.py", args=["a", "b"], inputs={"data": data}, outputs=["out/result.json"]
+    )
+    assert job.wait(timeout=60) == "succeeded"
+    assert job.exit_code == 0
+    assert "hello a b" in job.logs()
+    out = job.download_outputs()
+    assert out == project / "gpulayer_runs" / job.id
+    assert json.loads((out / "out/result.json").read_text()) == {
+        "args": ["a", "b"],
+        "data": "42 apples",
+    }
+    assert "hello a b" in (out / "logs.txt").read_text()
+
+
+def test_inputs_are_reachable_under_their_names(client: gpulayer.Client, tmp_path: Path) -> None:
+    folder = tmp_path / "dataset"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "x.csv").write_text("1,2\n")
+    code = "import os; print(open('dataset/sub/x.csv').read().strip(), os.listdir(os.environ['GPULAYER_INPUTS']))"
+    job = client.submit(command=[PY, "-c", code], inputs={"dataset": folder})
+    assert job.wait(timeout=60) == "succeeded", job.info.reason
+    assert "1,2 ['dataset']" in job.logs()
+
+
+def test_failure_carries_exit_code_and_stderr_tail(client: gpulayer.Client) -> None:
+    code = "import sys; print('working'); print('boom: bad things', file=sys.stderr); sys.exit(3)"
+    job = client.submit(command=[PY, "-c", code])
+    assert job.wait(timeout=60) == "failed"
+    assert job.exit_code == 3
+    assert job.info.reason is not None
+    assert "exited with code 3" in job.info.reason and "boom: bad things" in job.info.reason
+
+
+def test_a_missing_program_fails_with_the_reason(client: gpulayer.Client) -> None:
+    job = client.submit(command=["/nonexistent/program"])
+    assert job.wait(timeout=60) == "failed"
+    assert "could not run" in (job.info.reason or "") and "nonexistent" in (job.info.reason or "")
+
+
+def test_missing_declared_output_is_reported(client: gpulayer.Client) -> None:
+    job = client.submit(command=[PY, "-c", "pass"], outputs=["model.pt"])
+    assert job.wait(timeout=60) == "succeeded"
+    assert "declared outputs not found: model.pt" in (job.info.reason or "")
+
+
+def test_timeout_ends_the_whole_tree(client: gpulayer.Client) -> None:
+    code = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('pids', child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    job = client.submit(command=[PY, "-c", code], timeout=1.0)
+    grandchild = int(wait_for_line(job, "pids").split()[1])
+    assert job.wait(timeout=30) == "timed_out"
+    assert pids_alive(grandchild) == []
+
+
+def test_cancel_kills_a_grandchild_that_ignores_sigterm(client: gpulayer.Client) -> None:
+    code = (
+        "import subprocess, sys, time\n"
+        "grand = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(\"ok\", flush=True); time.sleep(60)'\n"
+        "child = subprocess.Popen([sys.executable, '-c', grand], stdout=subprocess.PIPE)\n"
+        "child.stdout.readline()\n"
+        "print('pids', child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    job = client.submit(command=[PY, "-c", code])
+    grandchild = int(wait_for_line(job, "pids").split()[1])
+    assert job.cancel() in ("running", "cancelled")
+    assert job.wait(timeout=30) == "cancelled"
+    assert pids_alive(grandchild) == []
+    with pytest.raises(InvalidStateError, match="already cancelled"):
+        job.cancel()
+
+
+def test_cancel_a_queued_job(client: gpulayer.Client) -> None:
+    job = client.submit(command=[PY, "-c", "pass"], gpus=64)
+    assert job.cancel() == "cancelled"
+    assert job.wait(timeout=5) == "cancelled"
+
+
+def test_a_job_too_big_for_any_worker_waits_and_says_why(client: gpulayer.Client) -> None:
+    job = client.submit(command=[PY, "-c", "pass"], gpus=8)
+    info = job.refresh()
+    assert info.state == "queued"
+    assert info.reason == "needs 8 GPUs but no worker has that many (largest has 0 GPUs)"
+    with pytest.raises(gpulayer.WaitTimeout, match=job.id):
+        job.wait(timeout=0.05)
+    # Meanwhile other jobs run.
+    assert client.submit(command=[PY, "-c", "pass"]).wait(timeout=60) == "succeeded"
+    job.cancel()
+
+
+def test_burst_on_several_workers_every_outcome_right(home: Path) -> None:
+    with gpulayer.Client(home=home) as client:
+        client.ensure_local_workers(4)
+        jobs = [
+            client.submit(command=[PY, "-c", f"print({i}); raise SystemExit({i % 3})"])
+            for i in range(40)
+        ]
+        for i, job in enumerate(jobs):
+            assert job.wait(timeout=120) == ("succeeded" if i % 3 == 0 else "failed")
+            assert job.exit_code == i % 3
+            assert job.logs() == f"{i}\n"
+            assert job.info.attempt == 1
+        assert len({j.info.worker for j in jobs}) > 1, "the burst should spread over workers"
+
+
+def test_priority_runs_first_when_capacity_frees(home: Path, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    with gpulayer.Client(home=home) as client:
+        client.ensure_local_workers(1)
+        blocker = client.submit(
+            command=[PY, "-c", f"print('in', flush=True); open({str(gate)!r}).read()"]
+        )
+        wait_for_line(blocker, "in")
+        low = client.submit(command=[PY, "-c", "pass"], priority=0)
+        high = client.submit(command=[PY, "-c", "pass"], priority=10)
+        with open(gate, "w") as f:
+            f.write("go")
+        for job in (blocker, low, high):
+            assert job.wait(timeout=60) == "succeeded"
+        assert high.info.marks["started"] < low.info.marks["started"]
+
+
+def test_retry_within_budget(client: gpulayer.Client, tmp_path: Path) -> None:
+    marker = tmp_path / "tried"
+    code = f"import os, sys; p={str(marker)!r}\nif not os.path.exists(p): open(p, 'w').close(); sys.exit(1)"
+    job = client.submit(command=[PY, "-c", code], max_retries=1)
+    assert job.wait(timeout=60) == "succeeded"
+    assert job.info.attempt == 2
+
+
+def test_bad_spec_stores_nothing(
+    client: gpulayer.Client, project: Path, home: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(SpecError) as info:
+        client.submit(project / "train.py", gpus=-1)
+    assert info.value.field == "gpus"
+    with pytest.raises(SpecError) as info:
+        client.submit(project / "train.py", inputs={"data": tmp_path / "nope"})
+    assert info.value.field == "inputs.data"
+    with pytest.raises(SpecError) as info:
+        client.submit(project / "missing.py")
+    assert info.value.field == "script"
+    assert client.jobs() == []
+    blobs = home / "artifacts"
+    assert not blobs.exists() or not any(p.is_file() for p in blobs.rglob("*"))
+
+
+def test_timings_cover_every_stage(client: gpulayer.Client) -> None:
+    job = client.submit(command=[PY, "-c", "pass"])
+    job.wait(timeout=60)
+    timings = job.timings
+    assert set(timings) == {"queue", "dispatch", "prepare", "launch", "run", "finish", "total"}
+    assert all(v >= 0 for v in timings.values())
+    parts = sum(v for k, v in timings.items() if k != "total")
+    assert parts == pytest.approx(timings["total"], abs=1e-3)
+
+
+def test_gpu_slots_are_isolated(home: Path) -> None:
+    from gpulayer.worker.gpus import Gpu
+    from gpulayer.worker.worker import Worker
+
+    with gpulayer.Client(home=home, auto_worker=False) as client:
+        embedded = client._embedded
+        assert embedded is not None
+        fake = [Gpu(index=i, vendor="nvidia", name="Fake GPU") for i in range(4)]
+        worker = Worker(
+            client.transport, cache=embedded.artifacts, work_dir=home / "workers", gpus=fake
+        )
+        worker.start()
+        try:
+            show = "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+            two = client.submit(command=[PY, "-c", show], gpus=2)
+            none = client.submit(command=[PY, "-c", show], gpus=0)
+            assert two.wait(timeout=60) == "succeeded" and none.wait(timeout=60) == "succeeded"
+            seen = two.logs().strip().strip("'").split(",")
+            assert len(seen) == 2 and set(seen) <= {"0", "1", "2", "3"}
+            assert seen == [str(g) for g in two.info.gpus]
+            assert none.logs().strip() == "''"
+        finally:
+            worker.stop()
+
+
+def test_a_long_line_is_cut_and_output_is_complete(client: gpulayer.Client) -> None:
+    code = "print('x' * 200_000); [print(i) for i in range(20_000)]"
+    job = client.submit(command=[PY, "-c", code])
+    assert job.wait(timeout=60) == "succeeded"
+    lines = job.logs().splitlines()
+    assert lines[0].startswith("x" * 1000) and lines[0].endswith("cut at 65536 bytes]")
+    assert lines[1:] == [str(i) for i in range(20_000)]
+
+
+def test_jobs_and_lookup_by_prefix(client: gpulayer.Client) -> None:
+    job = client.submit(command=[PY, "-c", "pass"], name="named", labels={"k": "v"})
+    job.wait(timeout=60)
+    assert client.job(job.id[:10]).id == job.id
+    assert [j.id for j in client.jobs(state="succeeded")] == [job.id]
+    with pytest.raises(gpulayer.JobNotFoundError):
+        client.job("zzzzzz")
+
+
+def test_workers_are_listed(client: gpulayer.Client) -> None:
+    workers = client.workers()
+    assert len(workers) == 2 and all(len(w.slot_gpus) == 1 for w in workers)
+
+
+def test_wait_wakes_promptly(client: gpulayer.Client) -> None:
+    # Not a benchmark: a guard that completion wakes the waiter (no polling
+    # interval hides in the path). A 1 s bound is 100x the expected time.
+    job = client.submit(command=[PY, "-c", "pass"])
+    job.wait(timeout=60)
+    assert job.info.timings()["finish"] < 1.0
+    assert time.time() - job.info.marks["finished"] < 60

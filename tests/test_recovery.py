@@ -1,0 +1,80 @@
+"""A process running an embedded control plane dies; the next one cleans up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import gpulayer
+
+from helpers import PY, pids_alive
+
+CRASHER = """
+import json, sys, gpulayer
+client = gpulayer.Client()
+client.ensure_local_workers(2)
+code = "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); print('child', c.pid, flush=True); time.sleep(120)"
+doomed = client.submit(command=[sys.executable, '-c', code], name='doomed')
+retried = client.submit(command=[sys.executable, '-c', code], name='retried', max_retries=1)
+waiting = client.submit(command=[sys.executable, '-c', 'print("ran later")'], name='waiting')
+pids = []
+for job in (doomed, retried):
+    for line in job.stream_logs():
+        if line.text.startswith('child'):
+            pids.append(int(line.text.split()[1]))
+            break
+print(json.dumps({'doomed': doomed.id, 'retried': retried.id, 'waiting': waiting.id, 'grandchild': pids[0]}), flush=True)
+sys.stdin.read()  # hold still until killed
+"""
+
+
+def test_a_crashed_embedded_process_is_recovered(home: Path) -> None:
+    env = {**os.environ, "GPULAYER_HOME": str(home)}
+    with subprocess.Popen(
+        [PY, "-c", CRASHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            ids = json.loads(proc.stdout.readline())
+        finally:
+            proc.send_signal(signal.SIGKILL)
+    assert pids_alive(ids["grandchild"]), (
+        "the job's process outlives its control plane until recovery"
+    )
+
+    with gpulayer.Client(home=home) as client:
+        doomed = client.job(ids["doomed"])
+        assert doomed.status == "lost"
+        assert "died" in (doomed.info.reason or "")
+        # Its orphaned processes were ended, not left running.
+        assert pids_alive(ids["grandchild"]) == []
+        # Two slots: the retried job (submitted first) runs again and sleeps.
+        client.ensure_local_workers(2, kill_grace=0.5)
+        waiting = client.job(ids["waiting"])
+        assert waiting.wait(timeout=60) == "succeeded"
+        assert waiting.logs() == "ran later\n"
+        retried = client.job(ids["retried"])
+        assert retried.status == "running" and retried.info.attempt == 2
+        retried.cancel()
+        assert retried.wait(timeout=30) == "cancelled"
+
+
+def test_another_live_process_keeps_its_jobs(home: Path) -> None:
+    with gpulayer.Client(home=home) as first:
+        first.ensure_local_workers(1)
+        job = first.submit(
+            command=[PY, "-c", "import time; print('up', flush=True); time.sleep(60)"]
+        )
+        for line in job.stream_logs():
+            if line.text == "up":
+                break
+        with gpulayer.Client(home=home) as second:
+            # The second sees the job but does not take it over.
+            assert second.job(job.id).status == "running"
+            assert [w.id for w in second.workers()] == [w.id for w in first.workers()]
+            # A cancel from another process ends it.
+            second.job(job.id).cancel()
+        assert job.wait(timeout=30) == "cancelled"

@@ -1,0 +1,74 @@
+from __future__ import annotations
+
+import pytest
+
+from gpulayer.errors import SpecError
+from gpulayer.spec import JobSpec, parse_spec
+
+DIGEST = "a" * 64
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "words"),
+    [
+        ({"command": ["x"], "gpus": -1}, "gpus", ">= 0"),
+        ({"command": ["x"], "gpu": 1}, "gpu", "unknown field"),
+        ({"command": "python x.py"}, "command", "array"),
+        ({"command": []}, "command", "must name a program"),
+        ({"command": ["x"], "timeout": 0}, "timeout", "> 0"),
+        ({"command": ["x"], "max_retries": -2}, "max_retries", ">= 0"),
+        ({"command": ["x"], "priority": "high"}, "priority", "int"),
+        ({"command": ["x"], "env": {"1BAD": "v"}}, "env.1BAD", "environment variable"),
+        ({"command": ["x"], "outputs": ["/etc/passwd"]}, "outputs[0]", "absolute"),
+        ({"command": ["x"], "outputs": ["a/../../b"]}, "outputs[0]", "inside"),
+        (
+            {"command": ["x"], "inputs": {"../x": {"kind": "file", "digest": DIGEST}}},
+            "inputs.../x",
+            "input name",
+        ),
+        (
+            {"command": ["x"], "inputs": {"d": {"kind": "file", "digest": "nothex"}}},
+            "inputs[...].digest",
+            "regex",
+        ),
+        ({"script": "../up.py", "bundle": DIGEST}, "script", "inside"),
+        ({"script": "train.py"}, "bundle", "needs the bundle"),
+        ({}, "command", "exactly one"),
+        ({"command": ["x"], "script": "a.py", "bundle": DIGEST}, "command", "exactly one"),
+        ({"command": ["x"], "name": "  "}, "name", "blank"),
+        ({"command": ["x"], "launcher": "mpirun"}, "launcher", "direct"),
+    ],
+)
+def test_bad_specs_name_the_field(data: dict[str, object], field: str, words: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_spec(data)
+    assert info.value.field == field
+    assert words in str(info.value)
+
+
+def test_a_good_spec_round_trips() -> None:
+    spec = parse_spec(
+        {
+            "script": "train.py",
+            "args": ["--lr", "3e-4"],
+            "bundle": DIGEST,
+            "inputs": {"data": {"kind": "dir", "digest": DIGEST, "size": 10}},
+            "outputs": ["model.pt", "ckpt/*.pt"],
+            "env": {"SEED": "1"},
+            "gpus": 2,
+            "priority": 5,
+            "max_retries": 1,
+            "timeout": 3.5,
+            "name": "train",
+            "labels": {"team": "nlp"},
+        }
+    )
+    assert isinstance(spec, JobSpec)
+    assert spec.gpus == 2 and spec.inputs["data"].kind == "dir"
+    assert parse_spec(spec) is spec
+
+
+def test_distributed_jobs_are_refused_clearly_until_the_launcher_exists() -> None:
+    with pytest.raises(SpecError, match="distributed launcher") as info:
+        parse_spec({"command": ["x"], "nodes": 2})
+    assert info.value.field == "nodes"
