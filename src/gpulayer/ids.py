@@ -1,11 +1,15 @@
-"""Identifiers: short, URL-safe, and sortable by creation time."""
+"""Identifiers: short, URL-safe, unique, and sortable by creation time."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford base32, lower case
+_RAND_BITS = 25
+_lock = threading.Lock()
+_last = (0, 0)  # (millis, random part) of the last id made here
 
 
 def _b32(value: int, width: int) -> str:
@@ -17,11 +21,22 @@ def _b32(value: int, width: int) -> str:
 
 
 def new_id() -> str:
-    """12 characters: 45 bits of milliseconds, then 15 random bits.
+    """14 characters: 45 bits of milliseconds, then 25 bits that are random.
 
-    Ids sort by creation time (to the millisecond), which keeps `gpulayer jobs`
-    and the store's index in submission order, and stay short enough to type.
+    Within one process, ids made in the same millisecond count up from the
+    first one's random part (like a monotonic ULID), so they never collide
+    and keep their order; across processes a clash needs the same
+    millisecond and the same 25 random bits.
     """
+    global _last
     millis = time.time_ns() // 1_000_000
-    rand = int.from_bytes(os.urandom(2), "big") & 0x7FFF
-    return _b32(((millis & ((1 << 45) - 1)) << 15) | rand, 12)
+    with _lock:
+        last_ms, last_rand = _last
+        if millis <= last_ms:
+            millis, rand = last_ms, last_rand + 1
+            if rand >> _RAND_BITS:  # 33 million ids in one millisecond: borrow the next
+                millis, rand = millis + 1, 0
+        else:
+            rand = int.from_bytes(os.urandom(4), "big") >> (32 - _RAND_BITS)
+        _last = (millis, rand)
+    return _b32(((millis & ((1 << 45) - 1)) << _RAND_BITS) | rand, 14)
