@@ -50,6 +50,14 @@ def _scheduler(item: Any, default_monitor: str | None) -> SchedulerConfig:
 
 def parse_optimizers(value: Any) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:
     """One optimizer and its schedulers from ``configure_optimizers()``'s result."""
+    if isinstance(value, str | bytes) or not isinstance(
+        value, torch.optim.Optimizer | Mapping | Sequence
+    ):
+        raise TrainerError(
+            f"configure_optimizers() returned {type(value).__name__}; return an "
+            f"optimizer, ([optimizer], [schedulers]), or {{'optimizer': ..., "
+            f"'lr_scheduler': ...}}"
+        )
     optimizers: list[Any]
     schedulers: list[Any] = []
     monitor = None
@@ -65,20 +73,10 @@ def parse_optimizers(value: Any) -> tuple[torch.optim.Optimizer, list[SchedulerC
         monitor = value.get("monitor")
         if value.get("lr_scheduler") is not None:
             schedulers = [value["lr_scheduler"]]
-    elif (
-        isinstance(value, Sequence)
-        and len(value) == 2
-        and all(isinstance(v, Sequence) for v in value)
-    ):
+    elif len(value) == 2 and all(isinstance(v, Sequence) for v in value):
         optimizers, schedulers = list(value[0]), list(value[1])
-    elif isinstance(value, Sequence):
-        optimizers = list(value)
     else:
-        raise TrainerError(
-            f"configure_optimizers() returned {type(value).__name__}; return an "
-            f"optimizer, ([optimizer], [schedulers]), or {{'optimizer': ..., "
-            f"'lr_scheduler': ...}}"
-        )
+        optimizers = list(value)
     if len(optimizers) != 1:
         raise TrainerError(
             f"configure_optimizers() returned {len(optimizers)} optimizers; the Trainer "
