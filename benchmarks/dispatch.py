@@ -8,6 +8,7 @@ noisy machine:
    (1) and (2) alternate, and each reports the median of `--repeat` runs;
 3. bare throughput: `--jobs` such processes on `--workers` runner threads;
 4. GPUlayer throughput: `--jobs` jobs on `--workers` local workers;
+   (3) and (4) alternate for `--rounds` bursts each, medians reported;
 5. submits per second into the embedded store, with no worker taking them;
 6. import time of `gpulayer` and of the worker's import path.
 
@@ -69,20 +70,27 @@ def single(repeat: int) -> dict[str, object]:
     }
 
 
-def throughput(jobs: int, workers: int) -> dict[str, float]:
-    start = time.perf_counter()
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(lambda _: subprocess.run(NOOP, check=True), range(jobs)))
-    bare = jobs / (time.perf_counter() - start)
-    with tempfile.TemporaryDirectory() as home, gpulayer.Client(home=home) as client:
+def throughput(jobs: int, workers: int, rounds: int) -> dict[str, float]:
+    """Bare and GPUlayer bursts alternate; each reports its median round."""
+    bare, ours = [], []
+    with (
+        tempfile.TemporaryDirectory() as home,
+        gpulayer.Client(home=home) as client,
+        ThreadPoolExecutor(workers) as pool,
+    ):
         client.ensure_local_workers(workers)
         gpulayer_once(client)  # warm
-        start = time.perf_counter()
-        handles = [client.submit(command=NOOP) for _ in range(jobs)]
-        states = [h.wait() for h in handles]
-        ours = jobs / (time.perf_counter() - start)
-    assert states == ["succeeded"] * jobs
-    return {"bare_jobs_per_s": bare, "gpulayer_jobs_per_s": ours, "ratio": ours / bare}
+        for _ in range(rounds):
+            start = time.perf_counter()
+            list(pool.map(lambda _: subprocess.run(NOOP, check=True), range(jobs)))
+            bare.append(jobs / (time.perf_counter() - start))
+            start = time.perf_counter()
+            handles = [client.submit(command=NOOP) for _ in range(jobs)]
+            states = [h.wait() for h in handles]
+            ours.append(jobs / (time.perf_counter() - start))
+            assert states == ["succeeded"] * jobs
+    b, o = statistics.median(bare), statistics.median(ours)
+    return {"bare_jobs_per_s": b, "gpulayer_jobs_per_s": o, "ratio": o / b}
 
 
 def submits(count: int) -> dict[str, float]:
@@ -120,6 +128,7 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=30, help="runs of the single-job measure (median)"
     )
+    parser.add_argument("--rounds", type=int, default=5, help="bursts of each kind (median)")
     parser.add_argument("--submits", type=int, default=3000)
     parser.add_argument(
         "--json", type=Path, default=Path(__file__).parent / "results" / "dispatch.json"
@@ -131,7 +140,7 @@ def main() -> None:
     print("measuring one job ...", file=sys.stderr)
     one = single(args.repeat)
     print(f"measuring {args.jobs} jobs on {args.workers} workers ...", file=sys.stderr)
-    burst = throughput(args.jobs, args.workers)
+    burst = throughput(args.jobs, args.workers, args.rounds)
     print("measuring submits ...", file=sys.stderr)
     store = submits(args.submits)
     imports = {m: import_ms(m) for m in ("gpulayer", "gpulayer.worker.worker", "gpulayer.cli")}

@@ -5,7 +5,12 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpulayer.scheduler import Assignment, Capacity, Request, explain, place
+from gpulayer.scheduler import Assignment, Capacity, Request, explain, order
+from gpulayer.scheduler import place as place_ordered
+
+
+def place(reqs: list[Request], caps: list[Capacity]) -> list[Assignment]:
+    return place_ordered(order(reqs), caps)
 
 
 def cpu(worker: str, slots: int, free: set[int] | None = None) -> Capacity:

@@ -72,12 +72,17 @@ def _could_ever_fit(cap: Capacity, gpus: int) -> bool:
 
 
 def place(requests: Iterable[Request], capacities: Sequence[Capacity]) -> list[Assignment]:
-    """Assign as many waiting jobs as the rules allow. Never over-commits a slot."""
+    """Assign as many waiting jobs as the rules allow. Never over-commits a slot.
+
+    ``requests`` come highest rank first (see :func:`order`); the caller keeps
+    its queue in that order, so placement stops reading it as soon as every
+    worker is full or reserved, however long the queue.
+    """
     free = {cap.worker_id: set(cap.free) for cap in capacities}
     caps = {cap.worker_id: cap for cap in capacities}
     reserved: set[str] = set()
     result: list[Assignment] = []
-    for req in order(requests):
+    for req in requests:
         open_workers = [w for w in caps if w not in reserved and free[w]]
         if not open_workers:
             break  # every worker is full or held for an earlier job

@@ -10,6 +10,7 @@ which ends it signals: nothing on the dispatch path sleeps or polls.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -84,6 +85,8 @@ class ControlPlane:
         self._lock = threading.Lock()
         self._logs_changed = threading.Condition(self._lock)
         self._queue: dict[str, _Pending] = {}
+        # The queue's keys in rank order, so placement reads only its head.
+        self._order: list[tuple[int, int, str]] = []
         self._running: dict[str, _Running] = {}
         self._workers: dict[str, _LiveWorker] = {}
         self._done: dict[str, threading.Event] = {}
@@ -99,8 +102,8 @@ class ControlPlane:
             job = JobInfo(
                 id=new_id(), spec=spec, seq=seq, owner=self.instance_id, marks={"submitted": now}
             )
-            self._queue[job.id] = _Pending(
-                Request(job.id, spec.priority, seq, spec.gpus, spec.nodes), spec, 0
+            self._enqueue(
+                _Pending(Request(job.id, spec.priority, seq, spec.gpus, spec.nodes), spec, 0)
             )
             try:
                 assignments = self._plan()
@@ -108,7 +111,7 @@ class ControlPlane:
                     tx.insert_job(job)
                     self._record(tx, assignments, now)
             except BaseException:
-                del self._queue[job.id]
+                self._dequeue(job.id)
                 raise
             self._seq = seq
             self._dispatch(assignments)
@@ -190,7 +193,7 @@ class ControlPlane:
         now = self._clock()
         with self._lock:
             if job_id in self._queue:
-                del self._queue[job_id]
+                self._dequeue(job_id)
                 with self.store.transaction() as tx:
                     tx.request_cancel(job_id)
                     tx.finish(
@@ -423,11 +426,10 @@ class ControlPlane:
                 tx.delete_workers(dead_instance)
             for job in self.store.list_jobs(states=[jobs.QUEUED], owner=self.instance_id):
                 if job.id not in self._queue:
-                    self._queue[job.id] = _Pending(
-                        Request(job.id, job.spec.priority, job.seq, job.spec.gpus, job.spec.nodes),
-                        job.spec,
-                        job.attempt,
+                    request = Request(
+                        job.id, job.spec.priority, job.seq, job.spec.gpus, job.spec.nodes
                     )
+                    self._enqueue(_Pending(request, job.spec, job.attempt))
             assignments = self._plan()
             with self.store.transaction() as tx:
                 self._record(tx, assignments, now)
@@ -435,6 +437,18 @@ class ControlPlane:
         return touched
 
     # ---- internals (call with self._lock held) -------------------------
+
+    def _enqueue(self, pending: _Pending) -> None:
+        req = pending.request
+        self._queue[req.job_id] = pending
+        bisect.insort(self._order, (-req.priority, req.seq, req.job_id))
+
+    def _dequeue(self, job_id: str) -> _Pending:
+        pending = self._queue.pop(job_id)
+        req = pending.request
+        key = (-req.priority, req.seq, job_id)
+        del self._order[bisect.bisect_left(self._order, key)]
+        return pending
 
     def _open_workers(self) -> list[_LiveWorker]:
         return [w for w in self._workers.values() if not w.closed]
@@ -445,7 +459,7 @@ class ControlPlane:
         caps = [w.capacity() for w in self._open_workers() if w.free]
         if not caps:
             return []
-        return place((p.request for p in self._queue.values()), caps)
+        return place((self._queue[key[2]].request for key in self._order), caps)
 
     def _record(self, tx: Transaction, assignments: list[Assignment], now: float) -> None:
         for a in assignments:
@@ -462,7 +476,7 @@ class ControlPlane:
     def _dispatch(self, assignments: list[Assignment]) -> None:
         """Apply committed placements in memory and wake the chosen workers."""
         for a in assignments:
-            pending = self._queue.pop(a.job_id)
+            pending = self._dequeue(a.job_id)
             attempt = pending.attempt + 1
             worker = self._workers[a.worker_id]
             worker.free.difference_update(a.slots)
@@ -491,9 +505,8 @@ class ControlPlane:
 
     def _requeue(self, job_id: str, run: _Running) -> None:
         spec = run.spec
-        self._queue[job_id] = _Pending(
-            Request(job_id, spec.priority, run.seq, spec.gpus, spec.nodes), spec, run.attempt
-        )
+        request = Request(job_id, spec.priority, run.seq, spec.gpus, spec.nodes)
+        self._enqueue(_Pending(request, spec, run.attempt))
 
     def _end_lost(
         self, tx: Transaction, run: _Running, job_id: str, reason: str, now: float

@@ -21,6 +21,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -39,7 +40,9 @@ KILL_WAIT_S = 2.0
 CREATE_TIME_TOLERANCE_S = 1.0
 
 
-def spawn(argv: Sequence[str], *, cwd: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+def spawn(
+    argv: Sequence[str], *, cwd: Path, env: Mapping[str, str] | Mapping[bytes, bytes]
+) -> subprocess.Popen[bytes]:
     """Start ``argv`` as the leader of a new session and process group.
 
     stdin is closed (``/dev/null``), stdout and stderr are pipes for the
@@ -108,10 +111,29 @@ def kill_orphans(pid: int, create_time: float, *, grace: float) -> bool:
     return True
 
 
+_BOOT_TIME: float | None = None
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 def process_create_time(pid: int) -> float | None:
-    """When ``pid`` started (seconds since the epoch), or None if it does not exist."""
+    """When ``pid`` started (seconds since the epoch), or None if it does not exist.
+
+    Agrees with ``psutil.Process(pid).create_time()``. On Linux it reads
+    ``/proc/<pid>/stat`` with the boot time looked up once: this runs for every
+    task, and psutil re-reads the boot time each call.
+    """
+    global _BOOT_TIME
     import psutil
 
+    if sys.platform.startswith("linux"):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except (FileNotFoundError, ProcessLookupError):
+            return None
+        if _BOOT_TIME is None:
+            _BOOT_TIME = psutil.boot_time()
+        return _BOOT_TIME + int(fields[19]) / _CLOCK_TICKS
     try:
         return psutil.Process(pid).create_time()
     except psutil.NoSuchProcess:

@@ -5,9 +5,9 @@ The steps, each timestamped for the job's timings:
 1. prepare: a fresh workspace with the bundle and inputs (``workspace.py``);
 2. launch: the process, in its own session and process group, with the
    task's GPUs visible and no others;
-3. run: two reader threads ship stdout and stderr line by line; this thread
-   waits for the exit (a blocking ``waitpid``, no polling); a timer ends the
-   process tree at the timeout;
+3. run: this thread watches the pipes, the exit and the deadline at once
+   (``watch.py``), shipping output line by line; at the timeout it ends the
+   process tree;
 4. finish: stray processes left in the group are ended, the last log lines
    flushed, declared outputs stored, and the result reported.
 
@@ -17,10 +17,8 @@ then SIGKILL (``process.terminate_tree``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -28,7 +26,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
 
 from .. import defaults
 from ..artifacts import ArtifactStore
@@ -37,6 +34,7 @@ from ..transport import Transport
 from .gpus import Vendor, visible_devices_env
 from .logs import LogSender, TaskLog
 from .process import process_create_time, spawn, terminate_tree
+from .watch import watch
 from .workspace import collect_outputs, prepare
 
 log = logging.getLogger(__name__)
@@ -53,6 +51,7 @@ class TaskRun:
         cache: ArtifactStore,
         task_dir: Path,
         gpu_vendor: Vendor | None,
+        base_env: dict[bytes, bytes],
         kill_grace: float,
         acquired: float,
         on_done: Callable[[TaskRun], None],
@@ -64,6 +63,7 @@ class TaskRun:
         self.cache = cache
         self.dir = task_dir
         self.gpu_vendor = gpu_vendor
+        self.base_env = base_env
         self.kill_grace = kill_grace
         self.marks = {"acquired": acquired}
         self.on_done = on_done
@@ -152,13 +152,18 @@ class TaskRun:
             if spec.script
             else [*(spec.command or []), *spec.args]
         )
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")  # logs arrive as printed, not at exit
-        env.update(spec.env)
-        env.update(ws.env)
-        env.update(visible_devices_env(self.gpu_vendor, self.task.gpus))
-        env["GPULAYER_JOB_ID"] = self.task.job_id
-        env["GPULAYER_ATTEMPT"] = str(self.task.attempt)
+        # Bytes end to end: decoding the worker's whole environment and
+        # encoding it back for every task cost more than the rest of the launch.
+        env = self.base_env.copy()
+        env.setdefault(b"PYTHONUNBUFFERED", b"1")  # logs arrive as printed, not at exit
+        for extra in (
+            spec.env,
+            ws.env,
+            visible_devices_env(self.gpu_vendor, self.task.gpus),
+            {"GPULAYER_JOB_ID": self.task.job_id, "GPULAYER_ATTEMPT": str(self.task.attempt)},
+        ):
+            for key, value in extra.items():
+                env[os.fsencode(key)] = os.fsencode(value)
         self.marks["prepared"] = time.time()
         with self._lock:
             if self._ending is not None:
@@ -173,17 +178,6 @@ class TaskRun:
         proc = self._proc
         assert isinstance(proc, subprocess.Popen)
         spec = self.task.spec
-        readers = [
-            threading.Thread(target=self._pump, args=(proc.stdout, "stdout", tasklog), daemon=True),
-            threading.Thread(target=self._pump, args=(proc.stderr, "stderr", tasklog), daemon=True),
-        ]
-        for reader in readers:
-            reader.start()
-        timer = None
-        if spec.timeout is not None:
-            timer = threading.Timer(spec.timeout, self.stop, args=("timed_out",))
-            timer.daemon = True
-            timer.start()
         self.transport.task_started(
             TaskStarted(
                 job_id=self.task.job_id,
@@ -196,43 +190,21 @@ class TaskRun:
                 pid_created=process_create_time(proc.pid),
             )
         )
-        code = proc.wait()
-        self.marks["exited"] = time.time()
-        if timer is not None:
-            timer.cancel()
-        self._end_strays(proc.pid, readers)
+        tail = self._stderr_tail
+
+        def emit(stream: str, text: str) -> None:
+            tasklog.add(stream, text)
+            if stream == "stderr":
+                tail.append(text)
+
+        deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
+        code, exited = watch(
+            proc, emit, deadline=deadline, on_deadline=lambda: self.stop("timed_out")
+        )
+        self.marks["exited"] = exited
         outputs, missing = collect_outputs(spec.outputs, self._cwd, self.transport)
         with self._lock:
             ending = self._ending
         return self._result(
             ending or "exited", exit_code=code, outputs=outputs, missing_outputs=missing
         )
-
-    def _end_strays(self, pgid: int, readers: list[threading.Thread]) -> None:
-        """The main process is gone; end what it left in its group, then drain the pipes."""
-        with contextlib.suppress(ProcessLookupError):  # the usual case: nothing left behind
-            os.killpg(pgid, signal.SIGTERM)
-        for reader in readers:
-            reader.join(defaults.PIPE_DRAIN_S)
-        if any(r.is_alive() for r in readers):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-            for reader in readers:
-                reader.join(defaults.PIPE_DRAIN_S)
-
-    def _pump(self, pipe: IO[bytes], stream: str, tasklog: TaskLog) -> None:
-        limit = defaults.LOG_LINE_MAX_BYTES
-        tail = self._stderr_tail if stream == "stderr" else None
-        skipping = False
-        with pipe:
-            for raw in iter(lambda: pipe.readline(limit), b""):
-                if skipping:  # the rest of a line that was too long
-                    skipping = not raw.endswith(b"\n")
-                    continue
-                text = raw.decode("utf-8", "replace").rstrip("\n").rstrip("\r")
-                if len(raw) >= limit and not raw.endswith(b"\n"):
-                    skipping = True
-                    text += f" [gpulayer: line cut at {limit} bytes]"
-                tasklog.add(stream, text)
-                if tail is not None:
-                    tail.append(text)

@@ -30,7 +30,7 @@ from ..transport import Transport
 from .gpus import Gpu, detect_gpus
 from .logs import LogSender
 from .task import TaskRun
-from .workspace import make_spare
+from .workspace import make_spare, reuse_if_empty
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class Worker:
         self._logs = LogSender(transport.append_logs)
         self._thread: threading.Thread | None = None
         self._spares: list[Path] = []
+        # The environment every task starts from, taken once (see TaskRun).
+        self._base_env = dict(os.environb)
         self._dir_numbers = itertools.count(1)
 
     @property
@@ -137,6 +139,7 @@ class Worker:
             cache=self.cache,
             task_dir=task_dir,
             gpu_vendor=self.vendor,
+            base_env=self._base_env,
             kill_grace=self.kill_grace,
             acquired=acquired,
             on_done=self._task_done,
@@ -148,8 +151,11 @@ class Worker:
     def _task_done(self, run: TaskRun) -> None:
         # Called on the task's thread after its result is reported: tidying
         # up here costs the job nothing.
-        shutil.rmtree(run.dir, ignore_errors=True)
-        spare = None if self._stopping.is_set() else make_spare(self._new_dir())
+        spare = None
+        if not self._stopping.is_set():
+            spare = reuse_if_empty(run.dir) or make_spare(self._new_dir())
+        if spare != run.dir:
+            shutil.rmtree(run.dir, ignore_errors=True)
         with self._tasks_lock:
             self._tasks.pop(run.key, None)
             if spare is not None:

@@ -78,6 +78,16 @@ def make_spare(task_dir: Path) -> Path:
     return task_dir
 
 
+def reuse_if_empty(task_dir: Path) -> Path | None:
+    """``task_dir`` again when its task left it as it was made (nothing written)."""
+    try:
+        if os.listdir(task_dir) == ["workspace"] and not os.listdir(task_dir / "workspace"):
+            return task_dir
+    except OSError:
+        pass
+    return None
+
+
 def collect_outputs(
     patterns: list[str], cwd: Path, transport: Transport
 ) -> tuple[dict[str, ArtifactRef], list[str]]:
