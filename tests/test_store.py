@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from gpulayer.errors import StoreError
+from gpulayer.jobs import JobInfo, LogLine
+from gpulayer.spec import JobSpec
+from gpulayer.store.migrations import LATEST
+from gpulayer.store.sqlite import SqliteStore
+
+
+def test_new_store_is_migrated_and_reopens_with_its_data(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    store = SqliteStore(path)
+    assert store.schema_version == LATEST
+    with store.transaction() as tx:
+        tx.insert_job(
+            JobInfo(id="j1", spec=JobSpec(command=["x"]), seq=1, marks={"submitted": 1.5})
+        )
+    store.append_logs("j1", 1, [LogLine(1, 2.0, "stdout", "hi")])
+    store.close()
+    again = SqliteStore(path)
+    job = again.get_job("j1")
+    assert job is not None and job.spec.command == ["x"] and job.marks == {"submitted": 1.5}
+    assert [line.text for _, line in again.read_logs("j1")] == ["hi"]
+    again.close()
+
+
+def test_a_newer_schema_is_refused_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    SqliteStore(path).close()
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version = {LATEST + 1}")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="newer than this GPUlayer"):
+        SqliteStore(path)
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == LATEST + 1
+    db.close()
+
+
+def test_a_failed_transaction_leaves_nothing(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite")
+    with pytest.raises(RuntimeError), store.transaction() as tx:
+        tx.insert_job(JobInfo(id="j1", spec=JobSpec(command=["x"]), seq=1))
+        raise RuntimeError("boom")
+    assert store.get_job("j1") is None
+    store.close()
+
+
+def test_marks_keep_full_float_precision(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite")
+    t = 1795941517.6718388
+    with store.transaction() as tx:
+        tx.insert_job(JobInfo(id="j1", spec=JobSpec(command=["x"]), seq=1, marks={"submitted": t}))
+        tx.place("j1", worker="w", slots=[0], gpus=[], attempt=1, at=t)
+    job = store.get_job("j1")
+    assert job is not None and job.marks == {"submitted": t, "placed": t}
+    store.close()

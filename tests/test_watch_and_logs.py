@@ -1,0 +1,152 @@
+"""Output handling: line splitting, the log sender's batching and its memory bound."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+
+from gpulayer.jobs import LogLine
+from gpulayer.worker.logs import LogSender
+from gpulayer.worker.process import spawn
+from gpulayer.worker.watch import LineSplitter, watch
+
+from helpers import PY
+
+
+def split(chunks: list[bytes], limit: int = 10) -> list[str]:
+    got: list[str] = []
+    s = LineSplitter("stdout", lambda _, text: got.append(text), limit=limit)
+    for chunk in chunks:
+        s.feed(chunk)
+    s.close()
+    return got
+
+
+def test_lines_across_chunks_and_without_final_newline() -> None:
+    assert split([b"ab", b"c\nde", b"f\r\n", b"", b"tail"]) == ["abc", "def", "tail"]
+
+
+def test_long_lines_are_cut_once_and_the_rest_skipped() -> None:
+    got = split([b"0123456789abcdef", b"ghij\nnext\n", b"x" * 25 + b"\nlast"])
+    assert got == [
+        "0123456789 [gpulayer: line cut at 10 bytes]",
+        "next",
+        "xxxxxxxxxx [gpulayer: line cut at 10 bytes]",
+        "last",
+    ]
+
+
+def test_invalid_utf8_is_replaced_not_fatal() -> None:
+    assert split([b"caf\xc3\xa9 \xff\n"], limit=100) == ["café \ufffd"]
+
+
+def test_watch_reports_exit_and_all_output(tmp_path: Path) -> None:
+    code = "import sys\nfor i in range(3): print(i); print('e', i, file=sys.stderr)\nsys.exit(4)"
+    proc = spawn([PY, "-c", code], cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
+    lines: list[tuple[str, str]] = []
+    exit_code, exited_at = watch(proc, lambda stream, text: lines.append((stream, text)))
+    assert exit_code == 4 and exited_at > 0
+    assert [t for s, t in lines if s == "stdout"] == ["0", "1", "2"]
+    assert [t for s, t in lines if s == "stderr"] == ["e 0", "e 1", "e 2"]
+
+
+def test_watch_ends_strays_that_hold_the_pipes(tmp_path: Path) -> None:
+    # The main process exits at once; its child keeps stdout open for a minute.
+    code = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    proc = spawn([PY, "-c", code], cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
+    exit_code, _ = watch(proc, lambda s, t: None)
+    assert exit_code == 0  # returns promptly: the stray got SIGTERM when the leader exited
+
+
+def test_watch_calls_the_deadline_once(tmp_path: Path) -> None:
+    proc = spawn([PY, "-c", "import time; time.sleep(60)"], cwd=tmp_path, env={})
+    calls: list[int] = []
+
+    def on_deadline() -> None:
+        calls.append(1)
+        proc.terminate()
+
+    import time
+
+    code, _ = watch(
+        proc, lambda s, t: None, deadline=time.monotonic() + 0.2, on_deadline=on_deadline
+    )
+    assert calls == [1] and code == -15
+
+
+class BlockingSend:
+    """A transport that blocks until released, like a stalled network."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.batches: list[list[LogLine]] = []
+
+    def __call__(self, job_id: str, attempt: int, lines: list[LogLine]) -> None:
+        self.entered.set()
+        self.release.wait()
+        self.batches.append(lines)
+
+
+def test_sender_memory_is_bounded_and_drops_are_reported() -> None:
+    send = BlockingSend()
+    sender = LogSender(send, interval=0.0, max_lines=100)
+    task = sender.open("job", 1)
+    task.add("stdout", "first")
+    assert send.entered.wait(10)  # the sender is now stuck in the network
+    for i in range(1000):
+        task.add("stdout", f"line {i}")
+    assert len(task.pending) == 100
+    send.release.set()
+    sender.close_task(task)
+    sender.stop()
+    texts = [line.text for batch in send.batches for line in batch]
+    assert texts[0] == "first"
+    assert texts[1:101] == [f"line {i}" for i in range(900, 1000)]
+    assert texts[-1] == "[gpulayer] 900 lines dropped: output came faster than it could be shipped"
+    seqs = [line.seq for batch in send.batches for line in batch]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+def test_sender_batches_lines_into_few_sends() -> None:
+    sent: list[int] = []
+    sender = LogSender(lambda j, a, lines: sent.append(len(lines)), interval=0.25)
+    task = sender.open("job", 1)
+    for i in range(500):
+        task.add("stdout", str(i))
+    sender.close_task(task)
+    sender.stop()
+    assert sum(sent) == 500
+    assert len(sent) <= 3, f"500 quick lines should go in a batch or two, went in {len(sent)}"
+
+
+def test_failed_sends_are_retried_not_lost() -> None:
+    attempts: list[int] = []
+    delivered: list[str] = []
+
+    def flaky(job_id: str, attempt: int, lines: list[LogLine]) -> None:
+        attempts.append(len(lines))
+        if len(attempts) == 1:
+            raise ConnectionError("server away")
+        delivered.extend(line.text for line in lines)
+
+    sender = LogSender(flaky, interval=0.0)
+    task = sender.open("job", 1)
+    task.add("stdout", "a")
+    task.add("stdout", "b")
+    task.flush()  # fails: kept
+    task.flush()  # succeeds
+    sender.stop()
+    assert delivered == ["a", "b"]
+
+
+def test_spawned_processes_get_a_session_of_their_own(tmp_path: Path) -> None:
+    import os
+
+    proc = spawn([PY, "-c", "import os; print(os.getsid(0), os.getpgid(0))"], cwd=tmp_path, env={})
+    out, _ = proc.communicate()
+    sid, pgid = map(int, out.split())
+    assert sid == pgid == proc.pid != os.getsid(0)
+    assert proc.returncode == 0
+    assert isinstance(proc, subprocess.Popen)
