@@ -72,6 +72,7 @@ class TaskRun:
         self._proc: subprocess.Popen[bytes] | None = None
         self._tasklog: TaskLog | None = None
         self._early: TaskResult | None = None  # the result when it never ran
+        self._terminator: threading.Thread | None = None  # ending the tree on cancel/timeout
         self._cwd = task_dir
         self._stderr_tail: deque[str] = deque(maxlen=defaults.STDERR_TAIL_LINES)
         self.thread = threading.Thread(
@@ -102,9 +103,10 @@ class TaskRun:
             self._ending = why
             proc = self._proc
         if proc is not None:
-            threading.Thread(
+            self._terminator = threading.Thread(
                 target=terminate_tree, args=(proc,), kwargs={"grace": self.kill_grace}, daemon=True
-            ).start()
+            )
+            self._terminator.start()
 
     def _result(self, outcome: Outcome, **fields: object) -> TaskResult:
         return TaskResult(
@@ -136,6 +138,9 @@ class TaskRun:
             except Exception as exc:
                 log.exception("task %s: supervising failed", self.task.job_id)
                 result = self._result("error", error=f"{type(exc).__name__}: {exc}")
+        if self._terminator is not None:
+            # Report "cancelled" only once the whole tree is gone.
+            self._terminator.join()
         self.logs.close_task(self._tasklog)
         try:
             self.transport.task_finished(result)
