@@ -33,6 +33,8 @@ def test_script_job_with_input_and_output(
     )
     assert job.wait(timeout=60) == "succeeded"
     assert job.exit_code == 0
+    # What wait() hands back is exactly what the store holds.
+    assert job.info == client.transport.get_job(job.id)
     assert "hello a b" in job.logs()
     out = job.download_outputs()
     assert out == project / "gpulayer_runs" / job.id
@@ -57,6 +59,7 @@ def test_failure_carries_exit_code_and_stderr_tail(client: gpulayer.Client) -> N
     code = "import sys; print('working'); print('boom: bad things', file=sys.stderr); sys.exit(3)"
     job = client.submit(command=[PY, "-c", code])
     assert job.wait(timeout=60) == "failed"
+    assert job.info == client.transport.get_job(job.id)
     assert job.exit_code == 3
     assert job.info.reason is not None
     assert "exited with code 3" in job.info.reason and "boom: bad things" in job.info.reason

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -44,6 +45,7 @@ class _Pending:
     request: Request
     spec: JobSpec
     attempt: int  # attempts made so far
+    submitted: float
 
 
 @dataclass
@@ -53,7 +55,17 @@ class _Running:
     slots: tuple[int, ...]
     spec: JobSpec
     seq: int
+    gpus: tuple[int, ...]
+    marks: dict[str, float]  # submitted, placed
     cancel_requested: bool = False
+
+
+class _Done:
+    """What a waiter blocks on: set when the job is final, with its record."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.job: JobInfo | None = None
 
 
 @dataclass
@@ -89,7 +101,7 @@ class ControlPlane:
         self._order: list[tuple[int, int, str]] = []
         self._running: dict[str, _Running] = {}
         self._workers: dict[str, _LiveWorker] = {}
-        self._done: dict[str, threading.Event] = {}
+        self._done: dict[str, _Done] = {}
         self._seq = max((j.seq for j in store.list_jobs(limit=1)), default=0)
 
     # ---- clients -------------------------------------------------------
@@ -102,23 +114,23 @@ class ControlPlane:
             job = JobInfo(
                 id=new_id(), spec=spec, seq=seq, owner=self.instance_id, marks={"submitted": now}
             )
-            self._enqueue(
-                _Pending(Request(job.id, spec.priority, seq, spec.gpus, spec.nodes), spec, 0)
-            )
+            request = Request(job.id, spec.priority, seq, spec.gpus, spec.nodes)
+            self._enqueue(_Pending(request, spec, 0, now))
             try:
                 assignments = self._plan()
+                for a in assignments:
+                    if a.job_id == job.id:  # placed at once: stored placed, in one statement
+                        job.state, job.worker, job.attempt = jobs.RUNNING, a.worker_id, 1
+                        job.slots, job.gpus = list(a.slots), list(a.gpus)
+                        job.marks["placed"] = now
                 with self.store.transaction() as tx:
                     tx.insert_job(job)
-                    self._record(tx, assignments, now)
+                    self._record(tx, [a for a in assignments if a.job_id != job.id], now)
             except BaseException:
                 self._dequeue(job.id)
                 raise
             self._seq = seq
-            self._dispatch(assignments)
-            for a in assignments:
-                if a.job_id == job.id:
-                    job.state, job.worker, job.attempt = jobs.RUNNING, a.worker_id, 1
-                    job.marks["placed"] = now
+            self._dispatch(assignments, now)
         return job
 
     def resolve(self, job_id: str) -> str:
@@ -165,8 +177,8 @@ class ControlPlane:
         while True:
             with self._lock:
                 ours = job_id in self._queue or job_id in self._running
-                event = self._done.setdefault(job_id, threading.Event()) if ours else None
-            if event is None:
+                done = self._done.setdefault(job_id, _Done()) if ours else None
+            if done is None:
                 job = self.store.get_job(job_id)
                 assert job is not None
                 if job.done:
@@ -180,10 +192,9 @@ class ControlPlane:
                 if left <= 0:
                     return self.get(job_id)
                 remaining = left if remaining is None else min(remaining, left)
-            if event is not None:
-                event.wait(remaining)
-                if event.is_set():
-                    return self.get(job_id)
+            if done is not None:
+                if done.event.wait(remaining):
+                    return done.job or self.get(job_id)
             else:
                 with self._lock:
                     self._logs_changed.wait(remaining)
@@ -279,7 +290,7 @@ class ControlPlane:
             with self.store.transaction() as tx:
                 tx.upsert_worker(info)
                 self._record(tx, assignments, now)
-            self._dispatch(assignments)
+            self._dispatch(assignments, now)
         return info
 
     def unregister_worker(self, worker_id: str, reason: str = "its worker stopped") -> None:
@@ -298,7 +309,7 @@ class ControlPlane:
                 assignments = self._plan()
                 tx.delete_worker(worker_id)
                 self._record(tx, assignments, now)
-            self._dispatch(assignments)
+            self._dispatch(assignments, now)
 
     def close_workers(self) -> None:
         """Place nothing more on any worker (the control plane is shutting down)."""
@@ -388,9 +399,29 @@ class ControlPlane:
                         outputs=result.outputs,
                     )
                 self._record(tx, assignments, now)
-            self._dispatch(assignments)
+            self._dispatch(assignments, now)
             if not again:
-                self._signal_done(result.job_id)
+                final = JobInfo(
+                    id=result.job_id,
+                    spec=run.spec,
+                    state=state,
+                    seq=run.seq,
+                    attempt=run.attempt,
+                    owner=self.instance_id,
+                    worker=run.worker_id,
+                    slots=list(run.slots),
+                    gpus=list(run.gpus),
+                    exit_code=result.exit_code,
+                    reason=reason,
+                    cancel_requested=cancel,
+                    marks={**run.marks, **marks},
+                    outputs=result.outputs,
+                )
+                self._signal_done(result.job_id, final)
+        if not again:
+            # Hand the interpreter to the woken client now rather than after
+            # this worker's own tidying up: the client is the one waiting.
+            os.sched_yield()
 
     # ---- recovery ------------------------------------------------------
 
@@ -429,11 +460,13 @@ class ControlPlane:
                     request = Request(
                         job.id, job.spec.priority, job.seq, job.spec.gpus, job.spec.nodes
                     )
-                    self._enqueue(_Pending(request, job.spec, job.attempt))
+                    self._enqueue(
+                        _Pending(request, job.spec, job.attempt, job.marks.get("submitted", now))
+                    )
             assignments = self._plan()
             with self.store.transaction() as tx:
                 self._record(tx, assignments, now)
-            self._dispatch(assignments)
+            self._dispatch(assignments, now)
         return touched
 
     # ---- internals (call with self._lock held) -------------------------
@@ -473,7 +506,7 @@ class ControlPlane:
                 at=now,
             )
 
-    def _dispatch(self, assignments: list[Assignment]) -> None:
+    def _dispatch(self, assignments: list[Assignment], now: float) -> None:
         """Apply committed placements in memory and wake the chosen workers."""
         for a in assignments:
             pending = self._dequeue(a.job_id)
@@ -482,7 +515,13 @@ class ControlPlane:
             worker.free.difference_update(a.slots)
             worker.running.add(a.job_id)
             self._running[a.job_id] = _Running(
-                a.worker_id, attempt, a.slots, pending.spec, pending.request.seq
+                a.worker_id,
+                attempt,
+                a.slots,
+                pending.spec,
+                pending.request.seq,
+                a.gpus,
+                {"submitted": pending.submitted, "placed": now},
             )
             worker.inbox.append(
                 RunTask(
@@ -506,7 +545,7 @@ class ControlPlane:
     def _requeue(self, job_id: str, run: _Running) -> None:
         spec = run.spec
         request = Request(job_id, spec.priority, run.seq, spec.gpus, spec.nodes)
-        self._enqueue(_Pending(request, spec, run.attempt))
+        self._enqueue(_Pending(request, spec, run.attempt, run.marks["submitted"]))
 
     def _end_lost(
         self, tx: Transaction, run: _Running, job_id: str, reason: str, now: float
@@ -525,8 +564,9 @@ class ControlPlane:
             )
             self._signal_done(job_id)
 
-    def _signal_done(self, job_id: str) -> None:
-        event = self._done.pop(job_id, None)
-        if event is not None:
-            event.set()
+    def _signal_done(self, job_id: str, final: JobInfo | None = None) -> None:
+        done = self._done.pop(job_id, None)
+        if done is not None:
+            done.job = final  # saves the waiter a read of the store
+            done.event.set()
         self._logs_changed.notify_all()

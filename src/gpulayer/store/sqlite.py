@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from ..errors import StoreError
-from ..jobs import FINAL_STATES, JobInfo, LogLine, WorkerInfo
+from ..jobs import JobInfo, LogLine, WorkerInfo
 from ..spec import ArtifactRef, JobSpec
 from . import Store, Transaction
 from .migrations import LATEST, MIGRATIONS
@@ -32,7 +32,6 @@ _JOB_COLUMNS = (
     "id, seq, state, spec, attempt, owner, worker, slots, gpus, exit_code, reason, "
     "cancel_requested, pid, pid_created, marks"
 )
-_FINAL = tuple(sorted(FINAL_STATES))
 
 
 def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> JobInfo:
@@ -79,7 +78,8 @@ class _SqliteTransaction(Transaction):
 
     def insert_job(self, job: JobInfo) -> None:
         self.db.execute(
-            "INSERT INTO jobs (id, seq, name, state, priority, spec, owner, marks) VALUES (?,?,?,?,?,?,?,?)",
+            "INSERT INTO jobs (id, seq, name, state, priority, spec, attempt, owner, worker, slots, gpus, marks) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 job.id,
                 job.seq,
@@ -87,7 +87,11 @@ class _SqliteTransaction(Transaction):
                 job.state,
                 job.spec.priority,
                 _encode(job.spec),
+                job.attempt,
                 job.owner,
+                job.worker,
+                _encode(job.slots),
+                _encode(job.gpus),
                 _encode(job.marks),
             ),
         )
@@ -128,7 +132,8 @@ class _SqliteTransaction(Transaction):
         outputs: dict[str, ArtifactRef],
     ) -> None:
         self.db.execute(
-            "UPDATE jobs SET state=?, exit_code=?, reason=?, pid=NULL, marks=json_patch(marks, ?) WHERE id=?",
+            "UPDATE jobs SET state=?, exit_code=?, reason=?, pid=NULL, pid_created=NULL, "
+            "marks=json_patch(marks, ?) WHERE id=?",
             (state, exit_code, reason, _encode(marks), job_id),
         )
         if outputs:
@@ -140,7 +145,7 @@ class _SqliteTransaction(Transaction):
     def requeue(self, job_id: str, *, reason: str | None, owner: str) -> None:
         # Marks after 'submitted' describe the attempt that ended; start afresh.
         self.db.execute(
-            "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, owner=?, "
+            "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, pid_created=NULL, owner=?, "
             "reason=?, marks=json_object('submitted', json_extract(marks, '$.submitted')) WHERE id=?",
             (owner, reason, job_id),
         )
@@ -304,9 +309,9 @@ class SqliteStore(Store):
     def owners(self) -> set[str]:
         with self._lock:
             rows = self._db.execute(
-                f"SELECT DISTINCT owner FROM jobs WHERE owner IS NOT NULL AND state NOT IN ({','.join('?' * len(_FINAL))}) "
-                "UNION SELECT DISTINCT instance FROM workers WHERE instance IS NOT NULL",
-                _FINAL,
+                # Spelled as the partial index's condition, so the index serves it.
+                "SELECT DISTINCT owner FROM jobs WHERE state IN ('queued', 'running') AND owner IS NOT NULL "
+                "UNION SELECT DISTINCT instance FROM workers WHERE instance IS NOT NULL"
             ).fetchall()
         return {r[0] for r in rows}
 
