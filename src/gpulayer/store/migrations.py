@@ -7,10 +7,12 @@ refused rather than misread.
 
 from __future__ import annotations
 
-MIGRATIONS: tuple[str, ...] = (
+# Each migration is a tuple of statements, run in one transaction.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
     # 1: jobs, their logs and outputs, workers.
-    """
-    CREATE TABLE jobs (
+    (
+        """
+        CREATE TABLE jobs (
         id TEXT PRIMARY KEY,
         seq INTEGER NOT NULL,
         name TEXT,
@@ -28,12 +30,18 @@ MIGRATIONS: tuple[str, ...] = (
         pid INTEGER,
         pid_created REAL,
         marks TEXT NOT NULL DEFAULT '{}'
-    );
-    CREATE INDEX jobs_by_seq ON jobs (seq);
-    -- Only jobs that are not final need finding by owner (recovery): a
-    -- partial index keeps every other write from paying for it.
-    CREATE INDEX jobs_active_by_owner ON jobs (owner) WHERE state IN ('queued', 'running');
-    CREATE TABLE logs (
+        )
+        """,
+        """
+        CREATE INDEX jobs_by_seq ON jobs (seq)
+        """,
+        """
+        -- Only jobs that are not final need finding by owner (recovery): a
+        -- partial index keeps every other write from paying for it.
+        CREATE INDEX jobs_active_by_owner ON jobs (owner) WHERE state IN ('queued', 'running')
+        """,
+        """
+        CREATE TABLE logs (
         job_id TEXT NOT NULL,
         attempt INTEGER NOT NULL,
         seq INTEGER NOT NULL,
@@ -41,21 +49,26 @@ MIGRATIONS: tuple[str, ...] = (
         stream TEXT NOT NULL,
         text TEXT NOT NULL,
         PRIMARY KEY (job_id, attempt, seq)
-    ) WITHOUT ROWID;
-    CREATE TABLE outputs (
+        ) WITHOUT ROWID
+        """,
+        """
+        CREATE TABLE outputs (
         job_id TEXT NOT NULL,
         path TEXT NOT NULL,
         kind TEXT NOT NULL,
         digest TEXT NOT NULL,
         size INTEGER NOT NULL,
         PRIMARY KEY (job_id, path)
-    ) WITHOUT ROWID;
-    CREATE TABLE workers (
+        ) WITHOUT ROWID
+        """,
+        """
+        CREATE TABLE workers (
         id TEXT PRIMARY KEY,
         instance TEXT,
         info BLOB NOT NULL
-    );
-    """,
+        )
+        """,
+    ),
 )
 
 LATEST = len(MIGRATIONS)

@@ -202,9 +202,8 @@ class SqliteStore(Store):
                         f"this GPUlayer understands ({LATEST}); upgrade GPUlayer to use it"
                     )
                 for number in range(version, LATEST):
-                    for statement in MIGRATIONS[number].split(";"):
-                        if statement.strip():
-                            self._db.execute(statement)
+                    for statement in MIGRATIONS[number]:
+                        self._db.execute(statement)
                     self._db.execute(f"PRAGMA user_version = {number + 1}")
                 self._db.execute("COMMIT")
             except BaseException:
