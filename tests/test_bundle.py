@@ -17,11 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gpulayer.artifacts as artifacts_mod
-from gpulayer import bundle
+from gpulayer import bundle, defaults
 from gpulayer.artifacts import ArtifactStore
 from gpulayer.bundle import (
-    LARGE_BUNDLE_BYTES,
-    LINK_MIN_BYTES,
     BundleSummary,
     Entry,
     Manifest,
@@ -337,7 +335,7 @@ def test_load_validates(store: ArtifactStore) -> None:
 
 
 def test_materialize_round_trip(tmp_path: Path, store: ArtifactStore) -> None:
-    big = os.urandom(LINK_MIN_BYTES)
+    big = os.urandom(defaults.LINK_MIN_BYTES)
     root = write(
         tmp_path / "src",
         {"a.py": b"a", "pkg/b.py": b"b", "data.bin": big, "tool": big + b"!", "l": "-> pkg"},
@@ -468,8 +466,10 @@ def test_summarize_and_is_large(tmp_path: Path) -> None:
         files=8, bytes=28, largest=(("f7", 7), ("f6", 6), ("f5", 5), ("f4", 4), ("f3", 3))
     )
     assert not bundle.is_large(s)
-    assert bundle.is_large(BundleSummary(1, LARGE_BUNDLE_BYTES, (("x", LARGE_BUNDLE_BYTES),)))
-    assert not bundle.is_large(BundleSummary(1, LARGE_BUNDLE_BYTES - 1, ()))
+    assert bundle.is_large(
+        BundleSummary(1, defaults.LARGE_BUNDLE_BYTES, (("x", defaults.LARGE_BUNDLE_BYTES),))
+    )
+    assert not bundle.is_large(BundleSummary(1, defaults.LARGE_BUNDLE_BYTES - 1, ()))
 
 
 def test_pack_and_unpack_paths(tmp_path: Path, store: ArtifactStore) -> None:

@@ -249,3 +249,55 @@ def test_wait_wakes_promptly(client: gpulayer.Client) -> None:
     job.wait(timeout=60)
     assert job.info.timings()["finish"] < 1.0
     assert time.time() - job.info.marks["finished"] < 60
+
+
+def test_large_uploads_show_progress_and_large_bundles_warn(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from contextlib import contextmanager
+
+    from gpulayer import defaults
+
+    bars: list[tuple[int, str, int]] = []
+
+    @contextmanager
+    def progress(total: int, label: str):  # type: ignore[no-untyped-def]
+        seen = [0]
+        yield lambda n: seen.__setitem__(0, seen[0] + n)
+        bars.append((total, label, seen[0]))
+
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(defaults.PROGRESS_MIN_BYTES + 1))
+    script_dir = tmp_path / "proj"
+    script_dir.mkdir()
+    (script_dir / "run.py").write_text("import os; print(os.path.getsize('big'))\n")
+    (script_dir / "weights.bin").write_bytes(b"w" * 2000)
+    monkeypatch.setattr(defaults, "LARGE_BUNDLE_BYTES", 1000)
+    with gpulayer.Client(home=home, progress=progress) as client:
+        client.ensure_local_workers(1)
+        with caplog.at_level("WARNING", logger="gpulayer"):
+            job = client.submit(script_dir / "run.py", inputs={"big": big})
+        assert job.wait(timeout=60) == "succeeded"
+        assert job.logs().strip() == str(big.stat().st_size)
+    assert bars == [(big.stat().st_size, "storing input big.bin", big.stat().st_size)]
+    assert any(
+        "weights.bin" in r.message and ".gpulayerignore" in r.message for r in caplog.records
+    )
+
+
+def test_downloaded_outputs_are_private_copies(client: gpulayer.Client, tmp_path: Path) -> None:
+    code = (
+        "import os; os.makedirs('ckpt', exist_ok=True)\n"
+        "open('ckpt/a.pt', 'wb').write(os.urandom(2 << 20)); open('ckpt/b.pt', 'wb').write(b'b')\n"
+        "open('log.txt', 'w').write('x')\n"
+    )
+    job = client.submit(command=[PY, "-c", code], outputs=["ckpt", "*.txt"])
+    assert job.wait(timeout=60) == "succeeded"
+    assert set(job.info.outputs) == {"ckpt", "log.txt"}
+    out = job.download_outputs(tmp_path / "dl")
+    big = out / "ckpt" / "a.pt"
+    assert big.stat().st_size == 2 << 20 and big.stat().st_nlink == 1
+    big.write_bytes(b"edited")  # the user's copy: editing it touches nothing else
+    again = job.download_outputs(tmp_path / "dl2")
+    assert (again / "ckpt" / "a.pt").stat().st_size == 2 << 20
+    assert (again / "log.txt").read_text() == "x"

@@ -26,29 +26,14 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
+from gpulayer import defaults
 from gpulayer.artifacts import ArtifactStore, DigestCache, clone_file, copy_file, hard_link
 from gpulayer.errors import ArtifactError, BundleError, UnsafePathError
 
 if TYPE_CHECKING:
     import pathspec
 
-# A bundle this big probably carries data it should not (a dataset, checkpoints,
-# an environment the skip rules missed): the CLI warns and points at
-# .gpulayerignore and inputs. (To move to the defaults module.)
-LARGE_BUNDLE_BYTES = 100 * 1024 * 1024
-
-# Link vs copy when materialising a file. A hard link shares the cache blob's
-# inode: a job writing it in place (root ignores the 0444 mode) would corrupt
-# the cache for every later job, and a link cannot carry its own mode. So
-# small files (source, configs) are copied: it costs about what a link does,
-# and the job gets a private file with the entry's exact mode. Files of at
-# least this size are cloned (reflink: private copy-on-write, on btrfs/XFS),
-# else hard-linked read-only: jobs must not edit large bundled files in place.
-# Executables are never linked. (To move to the defaults module.)
-LINK_MIN_BYTES = 1024 * 1024
-
 IGNORE_FILE = ".gpulayerignore"
-HOME_MARKER = ".gpulayer-home"  # a file at the root of every GPUlayer home
 _VENV_MARKER = "pyvenv.cfg"
 _SKIP_DIRS = frozenset({"gpulayer_runs", "__pycache__"})
 _KINDS = ("file", "dir", "symlink")
@@ -166,7 +151,7 @@ def scan(root: Path, *, home: Path | None = None) -> Manifest:
                 if ignore is not None and ignore.match_file(rel + "/"):
                     continue
                 sub = _listdir(de.path)
-                if any(c.name in (_VENV_MARKER, HOME_MARKER) for c in sub):
+                if any(c.name in (_VENV_MARKER, defaults.HOME_MARKER) for c in sub):
                     continue
                 entries.append(Entry(rel, "dir", mode=0o755))
                 stack.append((rel + "/", sub))
@@ -348,10 +333,10 @@ def load(source: ArtifactStore | Callable[[str], bytes], digest: str) -> Manifes
 # -- materialize -----------------------------------------------------------------
 
 
-def _place(src: str, dst: str, entry: Entry) -> None:
-    # See LINK_MIN_BYTES for why small files are copied and large ones linked.
+def _place(src: str, dst: str, entry: Entry, private: bool) -> None:
+    # See defaults.LINK_MIN_BYTES for why small files are copied and large ones linked.
     mode = entry.mode & 0o777
-    if entry.size >= LINK_MIN_BYTES:
+    if not private and entry.size >= defaults.LINK_MIN_BYTES:
         if clone_file(src, dst, mode):
             return
         if not mode & 0o111 and hard_link(src, dst):
@@ -359,7 +344,9 @@ def _place(src: str, dst: str, entry: Entry) -> None:
     copy_file(src, dst, mode)
 
 
-def materialize(manifest: Manifest, dest: Path, blob_path: Callable[[str], Path]) -> None:
+def materialize(
+    manifest: Manifest, dest: Path, blob_path: Callable[[str], Path], *, private: bool = False
+) -> None:
     """Lay the bundle out in ``dest``, a new or empty directory.
 
     Every entry is validated before anything is written. Directories are
@@ -386,7 +373,7 @@ def materialize(manifest: Manifest, dest: Path, blob_path: Callable[[str], Path]
         else:
             src = str(blob_path(str(e.digest)))
             try:
-                _place(src, path, e)
+                _place(src, path, e, private)
             except FileNotFoundError:
                 if os.path.exists(src):
                     raise
@@ -409,8 +396,8 @@ def summarize(manifest: Manifest) -> BundleSummary:
 
 
 def is_large(summary: BundleSummary) -> bool:
-    """Whether the bundle is big enough to warn about (see LARGE_BUNDLE_BYTES)."""
-    return summary.bytes >= LARGE_BUNDLE_BYTES
+    """Whether the bundle is big enough to warn about (see defaults.LARGE_BUNDLE_BYTES)."""
+    return summary.bytes >= defaults.LARGE_BUNDLE_BYTES
 
 
 def pack_path(

@@ -235,12 +235,11 @@ class Client:
         sizes: Mapping[str, int],
         label: str,
     ) -> None:
-        digests = sorted(digests)
-        total = sum(sizes[d] for d in digests)
+        todo = {d: paths[d] for d in sorted(digests)}
+        total = sum(sizes[d] for d in todo)
         bar = self._progress if total >= defaults.PROGRESS_MIN_BYTES else _no_progress
         with bar(total, label) as advance:
-            for digest in digests:
-                self._transport.upload_blob(paths[digest], digest, on_progress=advance)
+            self._transport.upload_blobs(todo, on_progress=advance)
 
     def job(self, job_id: str) -> Job:
         return Job(self, self._transport.get_job(job_id))
@@ -344,6 +343,8 @@ class Job:
                 shutil.copyfile(blob, target)  # a private copy: the user may edit it
             else:
                 manifest = bundle.load(cache, ref.digest)
-                bundle.materialize(manifest, target, lambda d: transport.download_blob(d, cache))
+                bundle.materialize(
+                    manifest, target, lambda d: transport.download_blob(d, cache), private=True
+                )
         (base / "logs.txt").write_text(self.logs())
         return base

@@ -41,6 +41,13 @@ PIPE_DRAIN_S = 2.0
 # A bundle or input above this size gets a warning: it is uploaded at every
 # launch unless unchanged.
 LARGE_BUNDLE_BYTES = 100 * 1024 * 1024
+# Materialising a bundle file into a workspace: smaller files are copied,
+# larger ones cloned (copy-on-write) where the filesystem can, else hard-linked
+# read-only to the cache blob. A hard link shares the blob's inode, so a job
+# editing such a file in place (root ignores the 0444 mode) would corrupt the
+# cache; jobs must not edit large bundled files or inputs in place.
+# Executables are always copied (a link cannot carry their own mode).
+LINK_MIN_BYTES = 1024 * 1024
 # Storing more than this many new bytes shows a progress bar in the CLI.
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 

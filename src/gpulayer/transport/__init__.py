@@ -9,7 +9,7 @@ worker never needs to know where the control plane keeps them.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from ..artifacts import ArtifactStore
@@ -57,6 +57,13 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def upload_bytes(self, data: bytes) -> str: ...
+
+    def upload_blobs(
+        self, files: Mapping[str, Path], on_progress: Callable[[int], None] | None = None
+    ) -> None:
+        """Upload each ``digest -> path``; transports may do several at once."""
+        for digest, path in files.items():
+            self.upload_blob(path, digest, on_progress)
 
     @abc.abstractmethod
     def download_blob(self, digest: str, cache: ArtifactStore) -> Path:

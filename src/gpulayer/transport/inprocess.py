@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from ..artifacts import ArtifactStore
@@ -49,6 +49,11 @@ class InProcessTransport(Transport):
         on_progress: Callable[[int], None] | None = None,
     ) -> str:
         return self.artifacts.put_file(path, digest=digest, on_progress=on_progress)
+
+    def upload_blobs(
+        self, files: Mapping[str, Path], on_progress: Callable[[int], None] | None = None
+    ) -> None:
+        self.artifacts.put_files(files, on_progress=on_progress)
 
     def upload_bytes(self, data: bytes) -> str:
         return self.artifacts.put_bytes(data)
