@@ -78,6 +78,7 @@ def test_run_a_yaml_job(home: Path, project: Path) -> None:
         (["run", "--input", "nonsense", "--", "true"], "NAME=VALUE"),
         (["show", "nosuchjob"], "no job with id"),
         (["run"], "give a script or command"),
+        (["run", "--slots", "0", "--", "true"], "at least one slot"),
     ],
 )
 def test_bad_input_gets_a_clear_error(

@@ -168,6 +168,7 @@ def _load_yaml(path: str) -> dict[str, Any]:
     show_default=True,
     help="Local workers to run (embedded mode).",
 )
+@click.option("--slots", type=int, help="Slots per local CPU worker (GPU workers: one per GPU).")
 @click.option(
     "--follow/--detach", default=True, help="Stream logs and wait (default), or return at once."
 )
@@ -182,6 +183,7 @@ def run(
     args: tuple[str, ...],
     job_file: str | None,
     workers: int,
+    slots: int | None,
     follow: bool,
     download: bool,
     **flags: Any,
@@ -223,7 +225,7 @@ def run(
         raise click.UsageError(
             "--detach needs a server: an embedded job runs only while this command does"
         )
-    client.ensure_local_workers(workers)
+    client.ensure_local_workers(workers, slots=slots)
     job = client.submit(**fields)
     click.echo(f"gpulayer: job {job.id} submitted", err=True)
     try:
