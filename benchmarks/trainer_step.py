@@ -14,9 +14,11 @@ memory on the device. Variants, measured in the same run:
 Both trainers run with their progress bar, loggers and checkpointing off, so
 that the loop is measured rather than file or terminal output. Each
 measurement builds a fresh model, runs warm-up steps, then times the next
-steps (synchronising the device at both ends). The variants take turns within
-each repeat, so drift hits them alike; the table reports medians and each
-median's ratio to the raw loop's.
+steps (synchronising the device at both ends); one untimed round first pays
+for one-off costs (allocations, lazy initialisation). The variants take turns
+within each repeat, in a rotating order, so drift hits them alike. The table
+reports each variant's median ms/step and the median over repeats of its
+ratio to the raw loop's time in the same repeat.
 
     python benchmarks/trainer_step.py --device cpu
     python benchmarks/trainer_step.py --device cuda --widths 256 2048
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import statistics
@@ -175,6 +178,9 @@ def run_gpulayer(width: int, device: torch.device, warmup: int, steps: int) -> f
 def run_lightning(width: int, device: torch.device, warmup: int, steps: int) -> float:
     import lightning as L
 
+    # Lightning's per-fit banners ("GPU available", tips) would flood the table's output.
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+
     class MLP(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
@@ -222,7 +228,8 @@ def lightning_available() -> bool:
 
 def calibrate(width: int, device: torch.device, target_s: float) -> int:
     """Steps per measurement so that one takes about ``target_s`` seconds."""
-    ms = run_raw(width, device, warmup=5, steps=10, read=False)
+    # The fastest of three short runs: a burst of other load must not shrink the sample.
+    ms = min(run_raw(width, device, warmup=5, steps=20, read=False) for _ in range(3))
     return max(20, min(2000, int(target_s * 1000 / ms)))
 
 
@@ -251,15 +258,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 2048])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=0, help="timed steps (0: about --seconds)")
-    parser.add_argument("--seconds", type=float, default=0.5, help="target time per measurement")
+    parser.add_argument("--seconds", type=float, default=0.25, help="target time per measurement")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--no-lightning", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
     device = pick_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     variants: dict[str, Callable[[int, int, int], float]] = {
         "raw": lambda w, wu, n: run_raw(w, device, wu, n, read=False),
         "raw_item": lambda w, wu, n: run_raw(w, device, wu, n, read=True),
@@ -273,20 +283,21 @@ def main(argv: list[str] | None = None) -> int:
     for width in args.widths:
         steps = args.steps or calibrate(width, device, args.seconds)
         samples: dict[str, list[float]] = {name: [] for name in names}
+        for name in names:  # untimed round
+            variants[name](width, args.warmup, min(steps, 20))
         for repeat in range(args.repeats):
             # Rotate the order each repeat so no variant always runs first.
             for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
                 samples[name].append(variants[name](width, args.warmup, steps))
             print(f"width {width}: repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
-        raw = statistics.median(samples["raw"])
         for name in names:
-            median = statistics.median(samples[name])
+            ratios = [v / r for v, r in zip(samples[name], samples["raw"], strict=True)]
             results.append(
                 {
                     "width": width,
                     "variant": name,
-                    "ms_per_step": median,
-                    "ratio_to_raw": median / raw,
+                    "ms_per_step": statistics.median(samples[name]),
+                    "ratio_to_raw": statistics.median(ratios),
                     "samples_ms": samples[name],
                     "steps_per_sample": steps,
                 }
@@ -311,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"\ndevice: {device.type}  torch {torch.__version__}  batch {BATCH}  Adam  "
-        f"median of {args.repeats}"
+        f"median of {args.repeats} repeats, {torch.get_num_threads()} threads"
     )
     print(f"{'width':>6} {'variant':<10} {'ms/step':>9} {'x raw':>7}")
     for row in results:

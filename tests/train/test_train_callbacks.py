@@ -174,3 +174,16 @@ def test_plateau_scheduler_reads_the_monitored_metric(tmp_path: Path) -> None:
     trainer = Trainer(**quiet(max_epochs=3))
     trainer.fit(Plateau([1.0, 2.0, 3.0]), make_batches(1), make_batches(1))
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.25
+
+
+def test_should_stop_set_mid_epoch_stops_after_that_step() -> None:
+    class StopAtThree(Callback):
+        def on_train_batch_end(
+            self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
+            if trainer.global_step == 3:
+                trainer.should_stop = True
+
+    trainer = Trainer(**quiet(max_epochs=5, callbacks=[StopAtThree()]))
+    trainer.fit(Regression(), make_batches(10))
+    assert (trainer.global_step, trainer.current_epoch) == (3, 0)

@@ -215,10 +215,14 @@ def train_epoch(trainer: Trainer, run: Run) -> None:
         for cb in ends:
             cb.on_train_batch_end(trainer, module, output, batch, batch_idx)
         batch_idx = nxt
-        if stepping and 0 <= max_steps <= trainer.global_step and pending is not _END:
-            return  # stopped mid-epoch: no epoch end, the position is kept
-        if trainer.should_stop and stepping and pending is not _END:
-            return
+        if stepping and pending is not _END:
+            # Stopped mid-epoch: no epoch end; the position goes into last.ckpt.
+            if 0 <= max_steps <= trainer.global_step:
+                return
+            # A rank stopping alone would hang the others: under DDP,
+            # should_stop is agreed on at the epoch end instead.
+            if trainer.should_stop and not run.env.distributed:
+                return
     end_train_epoch(trainer, run)
 
 
