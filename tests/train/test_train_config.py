@@ -285,3 +285,17 @@ def test_module_without_steps_explains_itself() -> None:
     with pytest.raises(TrainerError, match="Empty is not attached to a Trainer"):
         _ = Empty().trainer
     assert Empty().global_step == 0 and Empty().current_epoch == 0
+
+
+def test_validation_data_without_validation_step_fails_before_training() -> None:
+    class TrainOnly(NoOptimizer):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            raise AssertionError("training must not start")
+
+    module = TrainOnly(lambda m: torch.optim.SGD(m.parameters(), 0.1))
+    with pytest.raises(
+        TrainerError, match="was given validation data but defines no validation_step"
+    ):
+        Trainer(**quiet(max_epochs=1)).fit(module, make_batches(2), make_batches(1))
+    with pytest.raises(TrainerError, match="defines no validation_step"):
+        Trainer(**quiet()).validate(module, make_batches(1))

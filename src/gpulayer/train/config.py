@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -11,6 +12,9 @@ from gpulayer.train.callbacks import Callback
 from gpulayer.train.errors import TrainerError
 from gpulayer.train.loggers import CSVLogger, Logger
 from gpulayer.train.model_checkpoint import ModelCheckpoint
+from gpulayer.train.module import Module
+
+_log = logging.getLogger("gpulayer.train")
 
 
 def count_setting(name: str, value: Any, minimum: int, *, optional: bool = False) -> Any:
@@ -65,3 +69,30 @@ def default_loggers(logger: bool | Logger | Iterable[Logger]) -> list[Logger]:
                 f"logger must be True, False, a Logger or a list of them; got {type(item).__name__}"
             )
     return found
+
+
+def check_validation_step(model: Module) -> None:
+    """Refuse validation data for a module without validation_step, before training."""
+    if type(model).validation_step is Module.validation_step:
+        raise TrainerError(
+            f"{type(model).__name__} was given validation data but defines no "
+            f"validation_step(batch, batch_idx)"
+        )
+
+
+def resolve_ckpt_path(
+    ckpt_path: str | Path | None, root: Path, checkpoints: list[ModelCheckpoint]
+) -> Path | None:
+    """The file ``ckpt_path`` means. ``"last"``: the newest ``last.ckpt`` in the
+    ModelCheckpoint directories or under ``root/*/checkpoints``, or None."""
+    if ckpt_path is None:
+        return None
+    if ckpt_path != "last":
+        return Path(ckpt_path)
+    places = [cb.dirpath / "last.ckpt" for cb in checkpoints if cb.dirpath]
+    places += root.glob("*/checkpoints/last.ckpt")
+    found = [p for p in places if p.is_file()]
+    if not found:
+        _log.info("ckpt_path='last': no last.ckpt under %s; starting fresh", root)
+        return None
+    return max(found, key=lambda p: p.stat().st_mtime_ns)

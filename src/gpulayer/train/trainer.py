@@ -17,7 +17,6 @@ A ``fit`` call, step by step:
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -29,7 +28,14 @@ from gpulayer.train import distributed
 from gpulayer.train.accelerator import resolve_device, select_accelerator
 from gpulayer.train.callbacks import Callback, EarlyStopping
 from gpulayer.train.checkpoint import atomic_save, load_checkpoint
-from gpulayer.train.config import count_setting, default_callbacks, default_loggers, next_version
+from gpulayer.train.config import (
+    check_validation_step,
+    count_setting,
+    default_callbacks,
+    default_loggers,
+    next_version,
+    resolve_ckpt_path,
+)
 from gpulayer.train.data import check_reiterable, shard
 from gpulayer.train.environment import ClusterEnvironment, detect_environment
 from gpulayer.train.errors import TrainerError, invalid_choice
@@ -54,8 +60,6 @@ CLIP_ALGORITHMS = ("norm", "value")
 #: Lightning's default when neither max_epochs nor max_steps is given.
 DEFAULT_MAX_EPOCHS = 1000
 DEFAULT_ROOT_DIR = "gpulayer_runs"
-
-_log = logging.getLogger("gpulayer.train")
 
 
 class Trainer:
@@ -257,11 +261,13 @@ class Trainer:
         val = val_dataloaders if val_dataloaders is not None else model.val_dataloader()
         check_reiterable(train, "train_dataloaders")
         check_reiterable(val, "val_dataloaders")
+        if val is not None:
+            check_validation_step(model)
         seed = self.seed or 0
         run.train_data = shard(train, run.env, shuffle=True, seed=seed)
         run.val_data = shard(val, run.env, shuffle=False, seed=seed) if val is not None else None
         run.optimizer, run.schedulers = parse_optimizers(model.configure_optimizers())
-        path = self._resolve_ckpt_path(ckpt_path)
+        path = resolve_ckpt_path(ckpt_path, self.default_root_dir, self.checkpoint_callbacks)
         checkpoint = load_checkpoint(path, map_location="cpu") if path is not None else None
         if checkpoint is not None:
             restore_checkpoint(self, run, checkpoint)
@@ -307,9 +313,10 @@ class Trainer:
                 f"{type(model).__name__}.val_dataloader()"
             )
         check_reiterable(data, "dataloaders")
+        check_validation_step(model)
         run = self._setup(model)
         run.val_data = shard(data, run.env, shuffle=False, seed=self.seed or 0)
-        path = self._resolve_ckpt_path(ckpt_path)
+        path = resolve_ckpt_path(ckpt_path, self.default_root_dir, self.checkpoint_callbacks)
         if path is not None:
             model.load_state_dict(load_checkpoint(path, map_location="cpu")["state_dict"])
         try:
@@ -389,18 +396,3 @@ class Trainer:
             for logger in self.loggers:
                 logger.setup(self.log_dir)
                 logger.log_hyperparams(model.hparams)
-
-    def _resolve_ckpt_path(self, ckpt_path: str | Path | None) -> Path | None:
-        if ckpt_path is None:
-            return None
-        if ckpt_path != "last":
-            return Path(ckpt_path)
-        places = [cb.dirpath / "last.ckpt" for cb in self.checkpoint_callbacks if cb.dirpath]
-        places += self.default_root_dir.glob("*/checkpoints/last.ckpt")
-        found = [p for p in places if p.is_file()]
-        if not found:
-            _log.info(
-                "ckpt_path='last': no last.ckpt under %s; starting fresh", self.default_root_dir
-            )
-            return None
-        return max(found, key=lambda p: p.stat().st_mtime_ns)
