@@ -34,6 +34,7 @@ from .jobs import (
     WorkerInfo,
 )
 from .scheduler import Assignment, Capacity, Request, explain, place
+from .signals import Signal, Unsubscribe, wait_on
 from .spec import JobSpec, parse_spec
 from .store import Store, Transaction
 
@@ -61,10 +62,10 @@ class _Running:
 
 
 class _Done:
-    """What a waiter blocks on: set when the job is final, with its record."""
+    """What waiters on a job block on: fired when it is final, with its record."""
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self.signal = Signal()
         self.job: JobInfo | None = None
 
 
@@ -73,7 +74,7 @@ class _LiveWorker:
     info: WorkerInfo
     free: set[int]
     inbox: deque[Instruction]
-    wake: threading.Condition
+    wake: Signal = field(default_factory=Signal)
     running: set[str] = field(default_factory=set)
     closed: bool = False
 
@@ -95,7 +96,7 @@ class ControlPlane:
         self._clock = clock
         self._kill_orphan = kill_orphan
         self._lock = threading.Lock()
-        self._logs_changed = threading.Condition(self._lock)
+        self._logs: dict[str, Signal] = {}  # job id -> followers of its logs
         self._queue: dict[str, _Pending] = {}
         # The queue's keys in rank order, so placement reads only its head.
         self._order: list[tuple[int, int, str]] = []
@@ -175,29 +176,34 @@ class ControlPlane:
         job_id = self.resolve(job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            final, done = self.watch_job(job_id)
+            if final is not None:
+                return final
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return self.get(job_id)
             with self._lock:
-                ours = job_id in self._queue or job_id in self._running
-                done = self._done.setdefault(job_id, _Done()) if ours else None
-            if done is None:
-                job = self.store.get_job(job_id)
-                assert job is not None
-                if job.done:
-                    return job
-                # Run by another process on this home: it cannot signal us.
-                remaining = defaults.FOLLOW_RECHECK_S
-            else:
-                remaining = None
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return self.get(job_id)
-                remaining = left if remaining is None else min(remaining, left)
-            if done is not None:
-                if done.event.wait(remaining):
-                    return done.job or self.get(job_id)
-            else:
-                with self._lock:
-                    self._logs_changed.wait(remaining)
+                if done is None:  # run by another process on this home: it cannot signal us
+                    signal = self._logs.setdefault(job_id, Signal())
+                    wait_on(self._lock, signal, min(defaults.FOLLOW_RECHECK_S, left or 1e9))
+                elif done.job is None:
+                    wait_on(self._lock, done.signal, left)
+                if done is not None and done.job is not None:
+                    return done.job
+
+    def watch_job(self, job_id: str) -> tuple[JobInfo | None, _Done | None]:
+        """The job if it is final; else what fires when it becomes final.
+
+        ``(None, None)`` means another process on this home runs it: nothing
+        here will fire, and the caller must look again later.
+        """
+        with self._lock:
+            if job_id in self._queue or job_id in self._running:
+                return None, self._done.setdefault(job_id, _Done())
+        job = self.store.get_job(job_id)
+        if job is None:
+            raise JobNotFoundError(f"no job with id {job_id!r}")
+        return (job, None) if job.done else (None, None)
 
     def cancel(self, job_id: str) -> JobInfo:
         job_id = self.resolve(job_id)
@@ -224,7 +230,7 @@ class ControlPlane:
                 worker = self._workers.get(run.worker_id)
                 if worker is not None:
                     worker.inbox.append(CancelTask(job_id=job_id, attempt=run.attempt))
-                    worker.wake.notify()
+                    worker.wake.fire()
             else:
                 job = self.store.get_job(job_id)
                 assert job is not None
@@ -246,22 +252,33 @@ class ControlPlane:
         """Lines after ``after``; with ``timeout``, wait that long for some."""
         deadline = time.monotonic() + timeout
         while True:
-            job = self.store.get_job(job_id)
-            if job is None:
-                raise JobNotFoundError(f"no job with id {job_id!r}")
-            rows = self.store.read_logs(job_id, after)
+            chunk = self.logs_after(job_id, after)
             left = deadline - time.monotonic()
-            if rows or job.done or left <= 0:
-                cursor = (rows[-1][0], rows[-1][1].seq) if rows else after
-                return LogChunk(
-                    lines=[line for _, line in rows],
-                    attempt=rows[-1][0] if rows else after[0],
-                    cursor=cursor,
-                    done=job.done and len(rows) < 10_000,
-                )
+            if chunk.lines or chunk.done or left <= 0:
+                return chunk
             with self._lock:
                 ours = job_id in self._queue or job_id in self._running
-                self._logs_changed.wait(left if ours else min(left, defaults.FOLLOW_RECHECK_S))
+                signal = self._logs.setdefault(job_id, Signal())
+                wait_on(self._lock, signal, left if ours else min(left, defaults.FOLLOW_RECHECK_S))
+
+    def logs_after(self, job_id: str, after: tuple[int, int]) -> LogChunk:
+        job = self.store.get_job(job_id)
+        if job is None:
+            raise JobNotFoundError(f"no job with id {job_id!r}")
+        rows = self.store.read_logs(job_id, after)
+        cursor = (rows[-1][0], rows[-1][1].seq) if rows else after
+        return LogChunk(
+            lines=[line for _, line in rows],
+            attempt=cursor[0],
+            cursor=cursor,
+            # The job was final before the read, so the read saw every line.
+            done=job.done and len(rows) < 10_000,
+        )
+
+    def watch_logs(self, job_id: str, callback: Callable[[], None]) -> Unsubscribe:
+        """Call ``callback`` once when the job's logs grow or it ends."""
+        with self._lock:
+            return self._logs.setdefault(job_id, Signal()).subscribe(callback)
 
     def list_workers(self) -> list[WorkerInfo]:
         with self._lock:
@@ -284,7 +301,6 @@ class ControlPlane:
                 info=info,
                 free=set(range(len(info.slot_gpus))),
                 inbox=deque(),
-                wake=threading.Condition(self._lock),
             )
             assignments = self._plan()
             with self.store.transaction() as tx:
@@ -300,7 +316,7 @@ class ControlPlane:
             if worker is None:
                 return
             worker.closed = True
-            worker.wake.notify_all()
+            worker.wake.fire()
             now = self._clock()
             lost = {job_id: self._release(job_id) for job_id in list(worker.running)}
             with self.store.transaction() as tx:
@@ -316,23 +332,42 @@ class ControlPlane:
         with self._lock:
             for worker in self._workers.values():
                 worker.closed = True
-                worker.wake.notify_all()
+                worker.wake.fire()
 
     def acquire(
         self, worker_id: str, timeout: float = defaults.ACQUIRE_TIMEOUT_S
     ) -> list[Instruction]:
         """The worker's long poll: returns at once when work is placed on it."""
         with self._lock:
-            worker = self._workers.get(worker_id)
-            if worker is None:
-                raise InvalidStateError(
-                    f"worker {worker_id} is not registered with this control plane"
-                )
+            worker = self._live(worker_id)
             if not worker.inbox and not worker.closed:
-                worker.wake.wait(timeout)
-            items = list(worker.inbox)
-            worker.inbox.clear()
-            return items
+                wait_on(self._lock, worker.wake, timeout)
+            return self._drain(worker)
+
+    def watch_worker(
+        self, worker_id: str, callback: Callable[[], None]
+    ) -> tuple[list[Instruction], Unsubscribe | None]:
+        """Instructions waiting for the worker, or a subscription for the next ones."""
+        with self._lock:
+            worker = self._live(worker_id)
+            if worker.inbox or worker.closed:
+                return self._drain(worker), None
+            return [], worker.wake.subscribe(callback)
+
+    def take_instructions(self, worker_id: str) -> list[Instruction]:
+        with self._lock:
+            return self._drain(self._live(worker_id))
+
+    def _live(self, worker_id: str) -> _LiveWorker:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise InvalidStateError(f"worker {worker_id} is not registered with this control plane")
+        return worker
+
+    def _drain(self, worker: _LiveWorker) -> list[Instruction]:
+        items = list(worker.inbox)
+        worker.inbox.clear()
+        return items
 
     def task_started(self, report: TaskStarted) -> None:
         with self._lock:
@@ -356,7 +391,9 @@ class ControlPlane:
             return
         self.store.append_logs(job_id, attempt, lines)
         with self._lock:
-            self._logs_changed.notify_all()
+            signal = self._logs.get(job_id)
+            if signal is not None:
+                signal.fire()
 
     def task_finished(self, result: TaskResult) -> None:
         now = self._clock()
@@ -532,7 +569,7 @@ class ControlPlane:
                     gpus=list(a.gpus),
                 )
             )
-            worker.wake.notify()
+            worker.wake.fire()
 
     def _release(self, job_id: str) -> _Running:
         run = self._running.pop(job_id)
@@ -567,6 +604,9 @@ class ControlPlane:
     def _signal_done(self, job_id: str, final: JobInfo | None = None) -> None:
         done = self._done.pop(job_id, None)
         if done is not None:
-            done.job = final  # saves the waiter a read of the store
-            done.event.set()
-        self._logs_changed.notify_all()
+            # Hand waiters the record (saves each a read of the store).
+            done.job = final or self.store.get_job(job_id)
+            done.signal.fire()
+        logs = self._logs.pop(job_id, None)
+        if logs is not None:
+            logs.fire()
