@@ -186,3 +186,34 @@ def test_the_instrumentation_catches_a_per_step_read(syncs: SyncCounter) -> None
         enable_progress_bar=False,
     ).fit(Reads(), make_batches(5))
     assert len(syncs_inside_epochs(recorder)) == 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_cuda_sync_during_steps() -> None:  # pragma: no cover - GPU only
+    """On a GPU, CUDA's own sync detector raises if the loop synchronises."""
+    device = torch.device("cuda", 0)
+    batches = [(x.to(device), y.to(device)) for x, y in make_batches(12)]
+
+    class Guard(Callback):
+        def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+            torch.cuda.set_sync_debug_mode("error")
+
+        def on_train_batch_end(
+            self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
+            if batch_idx == len(batches) - 1:
+                torch.cuda.set_sync_debug_mode("default")  # epoch-end reads are allowed
+
+    try:
+        trainer = Trainer(
+            accelerator="cuda",
+            max_epochs=2,
+            accumulate_grad_batches=2,
+            gradient_clip_val=1.0,
+            log_every_n_steps=1000,
+            callbacks=[Guard()],
+        )
+        trainer.fit(Busy(), batches)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert trainer.global_step == 12
