@@ -138,6 +138,7 @@ def test_load_from_checkpoint_rebuilds_the_module(tmp_path: Path) -> None:
         "optimizer": "adam",
         "step_lr": 3,
     }
+    assert loaded.hparams.lr == 0.01  # attribute access, as in Lightning
     assert_same_weights(loaded, module)
 
 

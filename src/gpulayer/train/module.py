@@ -36,6 +36,19 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+class AttributeDict(dict[str, Any]):
+    """A dict whose keys read as attributes too: ``self.hparams.lr``, as in Lightning."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"no hyperparameter {name!r}; saved: {', '.join(self)}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self[name] = value
+
+
 class Module(torch.nn.Module):
     """Subclass this; define ``training_step`` and ``configure_optimizers``.
 
@@ -48,11 +61,11 @@ class Module(torch.nn.Module):
     # Declared so that type checkers do not read them through nn.Module.__getattr__.
     _trainer_ref: weakref.ref[Trainer] | None
     _metric_store: MetricStore | None
-    hparams: dict[str, Any]
+    hparams: AttributeDict
 
     def __init__(self) -> None:
         super().__init__()
-        self.hparams: dict[str, Any] = {}
+        self.hparams = AttributeDict()
         # Plain attributes, set past nn.Module.__setattr__'s checks.
         object.__setattr__(self, "_trainer_ref", None)
         object.__setattr__(self, "_metric_store", None)
