@@ -267,6 +267,12 @@ class ArtifactStore:
         self._commit(fd, tmp, actual)
         return actual
 
+    def writer(self, expected: str | None = None) -> BlobWriter:
+        """A blob written in chunks (from a network stream), verified on commit."""
+        if expected is not None:
+            _check_digest(expected)
+        return BlobWriter(self, expected)
+
     def put_files(
         self, sources: Mapping[str, Path], *, on_progress: Callable[[int], None] | None = None
     ) -> None:
@@ -372,6 +378,41 @@ class ArtifactStore:
 _LINK_FALLBACK_ERRNOS = frozenset(
     {errno.EXDEV, errno.EMLINK, errno.EPERM, errno.EACCES, errno.ENOTSUP, errno.EOPNOTSUPP}
 )
+
+
+class BlobWriter:
+    """Chunks in, a verified blob out; nothing stays behind on error or abort."""
+
+    def __init__(self, store: ArtifactStore, expected: str | None) -> None:
+        self.store = store
+        self.expected = expected
+        self.size = 0
+        self._hash = hashlib.sha256()
+        self._fd, self._tmp = store._temp()
+
+    def write(self, chunk: bytes) -> None:
+        self._hash.update(chunk)
+        self.size += len(chunk)
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(self._fd, view) :]
+
+    def commit(self) -> str:
+        actual = self._hash.hexdigest()
+        if self.expected is not None and actual != self.expected:
+            self.abort()
+            raise ArtifactError(
+                f"the bytes received do not match the digest: expected {self.expected}, found {actual}"
+            )
+        fd, self._fd = self._fd, -1
+        self.store._commit(fd, self._tmp, actual)
+        return actual
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            _unlink_quietly(self._tmp)
 
 
 def hard_link(src: Path | str, dst: Path | str) -> bool:

@@ -54,3 +54,12 @@ PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 # Following logs of a job run by another process (embedded mode) re-reads the
 # store this often; within one process, appends wake followers at once.
 FOLLOW_RECHECK_S = 0.25
+
+# Server mode.
+SERVER_PORT = 8585
+# Workers heartbeat this often; one silent for the timeout is declared lost
+# and its tasks retried elsewhere (within their budget) or ended ``lost``.
+HEARTBEAT_INTERVAL_S = 5.0
+HEARTBEAT_TIMEOUT_S = 30.0
+# A worker that cannot reach the server retries with backoff up to this.
+RECONNECT_MAX_S = 10.0

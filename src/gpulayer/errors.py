@@ -12,7 +12,10 @@ catches anything GPUlayer itself decided was wrong::
     ├── JobNotFoundError     no job has that id (or the prefix is ambiguous)
     ├── InvalidStateError    the operation does not apply to the job's state
     ├── WaitTimeout          ``wait(timeout=...)`` ran out before the job ended
-    └── WorkerError          a worker cannot start (bad slot count, no GPUs...)
+    ├── WorkerError          a worker cannot start (bad slot count, no GPUs...)
+    └── TransportError       talking to a server failed
+        ├── ServerUnreachable    no answer (down, restarting, network); retry later
+        └── AccessDenied         the token is missing, wrong, or not allowed to do this
 
 Messages carry what was expected and what was found, and never a secret.
 """
@@ -63,3 +66,15 @@ class WaitTimeout(GPUlayerError, TimeoutError):
 
 class WorkerError(GPUlayerError):
     """A worker cannot be started or configured as asked."""
+
+
+class TransportError(GPUlayerError):
+    """A request to a GPUlayer server failed."""
+
+
+class ServerUnreachable(TransportError, ConnectionError):
+    """The server did not answer: it may be down or restarting. Safe to retry."""
+
+
+class AccessDenied(TransportError, PermissionError):
+    """The server refused the token (missing, unknown, or not allowed to do this)."""

@@ -40,3 +40,11 @@ def new_id() -> str:
             rand = int.from_bytes(os.urandom(4), "big") >> (32 - _RAND_BITS)
         _last = (millis, rand)
     return _b32(((millis & ((1 << 45) - 1)) << _RAND_BITS) | rand, 14)
+
+
+def check_id(field: str, value: str) -> None:
+    """Ids from outside (a client proposing one) must look like ours."""
+    from .errors import SpecError
+
+    if len(value) != 14 or any(c not in _ALPHABET for c in value):
+        raise SpecError(field, f"a job id is 14 characters of {_ALPHABET}, got {value!r}")

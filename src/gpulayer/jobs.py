@@ -96,6 +96,7 @@ class LogChunk(msgspec.Struct):
 class RunTask(msgspec.Struct, tag="run", kw_only=True):
     job_id: str
     attempt: int
+    placed: float = 0.0  # when the control plane placed it (for dispatch latency)
     spec: JobSpec
     slots: list[int]
     gpus: list[int]

@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from . import defaults, jobs
-from .errors import InvalidStateError, JobNotFoundError
-from .ids import new_id
+from .artifacts import ArtifactStore
+from .errors import GPUlayerError, InvalidStateError, JobNotFoundError
+from .ids import check_id, new_id
 from .jobs import (
     CancelTask,
     Instruction,
@@ -77,9 +78,21 @@ class _LiveWorker:
     wake: Signal = field(default_factory=Signal)
     running: set[str] = field(default_factory=set)
     closed: bool = False
+    # A worker known from before a restart is not connected until it
+    # registers again; it gets the heartbeat timeout to do so.
+    connected: bool = True
+    last_seen: float = 0.0
 
     def capacity(self) -> Capacity:
         return Capacity(self.info.id, tuple(self.info.slot_gpus), frozenset(self.free))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    queued: int
+    workers: int
+    connected_workers: int
+    free_slots: int
 
 
 class ControlPlane:
@@ -107,13 +120,26 @@ class ControlPlane:
 
     # ---- clients -------------------------------------------------------
 
-    def submit(self, spec: JobSpec) -> JobInfo:
+    def submit(self, spec: JobSpec, job_id: str | None = None) -> JobInfo:
+        """Store and place a job. ``job_id`` (made by the client) makes a retried
+        submit idempotent: the same id and spec return the job already stored."""
         spec = parse_spec(spec)
+        if job_id is not None:
+            check_id("id", job_id)
+            existing = self.store.get_job(job_id)
+            if existing is not None:
+                if existing.spec != spec:
+                    raise InvalidStateError(f"job {job_id} already exists with a different spec")
+                return existing
         now = self._clock()
         with self._lock:
             seq = self._seq + 1
             job = JobInfo(
-                id=new_id(), spec=spec, seq=seq, owner=self.instance_id, marks={"submitted": now}
+                id=job_id or new_id(),
+                spec=spec,
+                seq=seq,
+                owner=self.instance_id,
+                marks={"submitted": now},
             )
             request = Request(job.id, spec.priority, seq, spec.gpus, spec.nodes)
             self._enqueue(_Pending(request, spec, 0, now))
@@ -275,6 +301,42 @@ class ControlPlane:
             done=job.done and len(rows) < 10_000,
         )
 
+    def subscribe_done(self, done: _Done, callback: Callable[[], None]) -> Unsubscribe | None:
+        """Call ``callback`` once when the job behind ``done`` ends (None: it has)."""
+        with self._lock:
+            return None if done.job is not None else done.signal.subscribe(callback)
+
+    def unsubscribe(self, unsubscribe: Unsubscribe) -> None:
+        """Drop a subscription (under the lock that guards every signal)."""
+        with self._lock:
+            unsubscribe()
+
+    def may_fetch(self, worker_id: str, digest: str, artifacts: ArtifactStore) -> bool:
+        """Whether ``digest`` belongs to a task placed on ``worker_id``: its
+        bundle, an input, or a file inside either."""
+        from . import bundle
+
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            if worker is None:
+                return False
+            specs = [self._running[j].spec for j in worker.running if j in self._running]
+        roots = []
+        for spec in specs:
+            if spec.bundle is not None:
+                roots.append(spec.bundle)
+            roots += [ref.digest for ref in spec.inputs.values()]
+            if digest in roots:
+                return True
+        for root in roots:
+            try:
+                manifest = bundle.load(artifacts, root)
+            except GPUlayerError:
+                continue  # a file input, not a manifest
+            if any(e.digest == digest for e in manifest.entries):
+                return True
+        return False
+
     def watch_logs(self, job_id: str, callback: Callable[[], None]) -> Unsubscribe:
         """Call ``callback`` once when the job's logs grow or it ends."""
         with self._lock:
@@ -289,25 +351,77 @@ class ControlPlane:
                 info.running = sorted(live[info.id].running)
         return found
 
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            connected = [w for w in self._workers.values() if w.connected and not w.closed]
+            return Snapshot(
+                queued=len(self._queue),
+                workers=len(self._workers),
+                connected_workers=len(connected),
+                free_slots=sum(len(w.free) for w in connected),
+            )
+
     # ---- workers -------------------------------------------------------
 
-    def register_worker(self, info: WorkerInfo) -> WorkerInfo:
+    def register_worker(
+        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = ()
+    ) -> WorkerInfo:
+        """Add a worker, or re-attach one that was here before (same id).
+
+        A returning worker names the tasks it still runs (job id, attempt):
+        those stay running; the ones it no longer has end as lost (or are
+        retried); ones this control plane has already given up on are
+        cancelled on the worker.
+        """
         now = self._clock()
         info.id = info.id or new_id()
         info.instance = self.instance_id
         info.started = info.last_seen = now
+        reported = set(running)
         with self._lock:
-            self._workers[info.id] = _LiveWorker(
-                info=info,
-                free=set(range(len(info.slot_gpus))),
-                inbox=deque(),
-            )
-            assignments = self._plan()
+            worker = self._workers.get(info.id)
+            lost: dict[str, _Running] = {}
+            if worker is None:
+                worker = _LiveWorker(info=info, free=set(range(len(info.slot_gpus))), inbox=deque())
+                self._workers[info.id] = worker
+            else:
+                worker.info, worker.connected, worker.closed = info, True, False
+                for job_id in list(worker.running):
+                    if (job_id, self._running[job_id].attempt) not in reported:
+                        lost[job_id] = self._release(job_id)
+            worker.last_seen = now
+            for job_id, attempt in reported:
+                run = self._running.get(job_id)
+                if run is None or run.attempt != attempt or run.worker_id != info.id:
+                    worker.inbox.append(CancelTask(job_id=job_id, attempt=attempt))
             with self.store.transaction() as tx:
+                for job_id, run in lost.items():
+                    self._end_lost(tx, run, job_id, "its worker came back without it", now)
                 tx.upsert_worker(info)
+                assignments = self._plan()
                 self._record(tx, assignments, now)
             self._dispatch(assignments, now)
+            if worker.inbox:
+                worker.wake.fire()
         return info
+
+    def heartbeat(self, worker_id: str) -> None:
+        """A worker is alive (any request from it counts as one too)."""
+        with self._lock:
+            self._live(worker_id).last_seen = self._clock()
+
+    def reap(self, timeout: float) -> list[str]:
+        """Declare lost the workers silent for ``timeout`` seconds; their ids."""
+        now = self._clock()
+        with self._lock:
+            silent = [w for w in self._workers.values() if now - w.last_seen > timeout]
+        for worker in silent:
+            quiet = now - worker.last_seen
+            self.unregister_worker(
+                worker.info.id,
+                reason=f"its worker {worker.info.name} stopped heartbeating ({quiet:.0f} s without a word)",
+            )
+        return [w.info.id for w in silent]
 
     def unregister_worker(self, worker_id: str, reason: str = "its worker stopped") -> None:
         """Detach a worker; jobs it still runs are retried or end lost."""
@@ -340,6 +454,7 @@ class ControlPlane:
         """The worker's long poll: returns at once when work is placed on it."""
         with self._lock:
             worker = self._live(worker_id)
+            worker.last_seen = self._clock()
             if not worker.inbox and not worker.closed:
                 wait_on(self._lock, worker.wake, timeout)
             return self._drain(worker)
@@ -350,6 +465,7 @@ class ControlPlane:
         """Instructions waiting for the worker, or a subscription for the next ones."""
         with self._lock:
             worker = self._live(worker_id)
+            worker.last_seen = self._clock()
             if worker.inbox or worker.closed:
                 return self._drain(worker), None
             return [], worker.wake.subscribe(callback)
@@ -395,7 +511,7 @@ class ControlPlane:
             if signal is not None:
                 signal.fire()
 
-    def task_finished(self, result: TaskResult) -> None:
+    def task_finished(self, result: TaskResult, *, yield_to_waiters: bool = True) -> None:
         now = self._clock()
         with self._lock:
             run = self._running.get(result.job_id)
@@ -455,28 +571,38 @@ class ControlPlane:
                     outputs=result.outputs,
                 )
                 self._signal_done(result.job_id, final)
-        if not again:
+        if not again and yield_to_waiters:
             # Hand the interpreter to the woken client now rather than after
             # this worker's own tidying up: the client is the one waiting.
             os.sched_yield()
 
     # ---- recovery ------------------------------------------------------
 
-    def recover(self, dead_instance: str) -> list[str]:
+    def recover(self, dead_instance: str, *, workers_outlive: bool = False) -> list[str]:
         """Take over the jobs of a control plane that died; returns their ids.
 
-        Its running jobs (whose processes are ended first) are retried within
-        their budget or end ``lost``; its queued jobs queue here.
+        Its queued jobs queue here. Its running jobs depend on where they ran:
+        on workers inside the dead process (embedded), they died with it, so
+        their process trees are ended and they are retried within budget or
+        end ``lost``. On remote workers (a server restart, ``workers_outlive``)
+        they may still be running: they stay running here, and their workers
+        have the heartbeat timeout to come back and say so.
         """
         now = self._clock()
         touched: list[str] = []
         with self._lock:
             running = self.store.list_jobs(states=[jobs.RUNNING], owner=dead_instance)
-            for job in running:
-                if job.pid is not None and self._kill_orphan is not None:
-                    self._kill_orphan(job.pid, job.pid_created)
+            if workers_outlive:
+                self._adopt_workers(dead_instance, running, now)
+            elif self._kill_orphan is not None:
+                for job in running:
+                    if job.pid is not None:
+                        self._kill_orphan(job.pid, job.pid_created)
             with self.store.transaction() as tx:
                 for job in running:
+                    touched.append(job.id)
+                    if workers_outlive:
+                        continue
                     reason = f"the GPUlayer process running it died (instance {dead_instance})"
                     if job.attempt <= job.spec.max_retries:
                         tx.requeue(job.id, reason=f"retrying: {reason}", owner=self.instance_id)
@@ -489,9 +615,7 @@ class ControlPlane:
                             marks={"finished": now},
                             outputs={},
                         )
-                    touched.append(job.id)
-                touched += tx.adopt_queued(dead_instance, self.instance_id)
-                tx.delete_workers(dead_instance)
+                touched += tx.adopt(dead_instance, self.instance_id, workers=workers_outlive)
             for job in self.store.list_jobs(states=[jobs.QUEUED], owner=self.instance_id):
                 if job.id not in self._queue:
                     request = Request(
@@ -505,6 +629,54 @@ class ControlPlane:
                 self._record(tx, assignments, now)
             self._dispatch(assignments, now)
         return touched
+
+    def _adopt_workers(self, dead_instance: str, running: list[JobInfo], now: float) -> None:
+        """Known-but-disconnected workers holding the slots of the jobs they run."""
+        known = {w.id: w for w in self.store.list_workers() if w.instance == dead_instance}
+        for job in running:
+            if job.worker is None:
+                continue
+            info = known.get(job.worker)
+            if info is None:  # no record: enough slots to hold what it ran
+                info = WorkerInfo(
+                    id=job.worker,
+                    name=job.worker,
+                    host="?",
+                    slot_gpus=[None] * (max(job.slots, default=0) + 1),
+                )
+                known[job.worker] = info
+            worker = self._workers.get(info.id)
+            if worker is None:
+                info.instance = self.instance_id
+                worker = _LiveWorker(
+                    info=info,
+                    free=set(range(len(info.slot_gpus))),
+                    inbox=deque(),
+                    connected=False,
+                    last_seen=now,
+                )
+                self._workers[info.id] = worker
+            worker.free.difference_update(job.slots)
+            worker.running.add(job.id)
+            self._running[job.id] = _Running(
+                info.id,
+                job.attempt,
+                tuple(job.slots),
+                job.spec,
+                job.seq,
+                tuple(job.gpus),
+                {k: v for k, v in job.marks.items() if k in ("submitted", "placed")},
+            )
+        for info in known.values():
+            if info.id not in self._workers:
+                info.instance = self.instance_id
+                self._workers[info.id] = _LiveWorker(
+                    info=info,
+                    free=set(range(len(info.slot_gpus))),
+                    inbox=deque(),
+                    connected=False,
+                    last_seen=now,
+                )
 
     # ---- internals (call with self._lock held) -------------------------
 
@@ -521,7 +693,7 @@ class ControlPlane:
         return pending
 
     def _open_workers(self) -> list[_LiveWorker]:
-        return [w for w in self._workers.values() if not w.closed]
+        return [w for w in self._workers.values() if w.connected and not w.closed]
 
     def _plan(self) -> list[Assignment]:
         if not self._queue:
@@ -562,6 +734,7 @@ class ControlPlane:
             )
             worker.inbox.append(
                 RunTask(
+                    placed=now,
                     job_id=a.job_id,
                     attempt=attempt,
                     spec=pending.spec,

@@ -58,7 +58,9 @@ class Transaction(abc.ABC):
     def request_cancel(self, job_id: str) -> None: ...
 
     @abc.abstractmethod
-    def adopt_queued(self, from_owner: str, to_owner: str) -> list[str]: ...
+    def adopt(self, from_owner: str, to_owner: str, *, workers: bool) -> list[str]:
+        """Move the queued and running jobs of one instance to another (and,
+        with ``workers``, its workers; else drop them). Returns the queued ids."""
 
     @abc.abstractmethod
     def upsert_worker(self, worker: WorkerInfo) -> None: ...
@@ -101,6 +103,19 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def owners(self) -> set[str]:
         """Every control-plane instance that owns a job that is not final."""
+
+    @abc.abstractmethod
+    def count_by_state(self) -> dict[str, int]: ...
+
+    @abc.abstractmethod
+    def add_token(self, digest: str, role: str, name: str | None, created: float) -> None: ...
+
+    @abc.abstractmethod
+    def token_role(self, digest: str) -> str | None:
+        """The role of the token whose sha256 is ``digest``, if it exists."""
+
+    @abc.abstractmethod
+    def count_tokens(self, role: str) -> int: ...
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -69,6 +69,17 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )
         """,
     ),
+    # 2: API tokens for server mode (only their sha256 is kept).
+    (
+        """
+        CREATE TABLE tokens (
+            digest TEXT PRIMARY KEY,
+            role TEXT NOT NULL,
+            name TEXT,
+            created REAL NOT NULL
+        )
+        """,
+    ),
 )
 
 LATEST = len(MIGRATIONS)

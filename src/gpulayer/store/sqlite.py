@@ -153,11 +153,26 @@ class _SqliteTransaction(Transaction):
     def request_cancel(self, job_id: str) -> None:
         self.db.execute("UPDATE jobs SET cancel_requested=1 WHERE id=?", (job_id,))
 
-    def adopt_queued(self, from_owner: str, to_owner: str) -> list[str]:
+    def adopt(self, from_owner: str, to_owner: str, *, workers: bool) -> list[str]:
+        self.db.execute(
+            "UPDATE jobs SET owner=? WHERE state='running' AND owner=?", (to_owner, from_owner)
+        )
         rows = self.db.execute(
-            "UPDATE jobs SET owner=? WHERE owner=? AND state='queued' RETURNING id",
+            "UPDATE jobs SET owner=? WHERE state='queued' AND owner=? RETURNING id",
             (to_owner, from_owner),
         ).fetchall()
+        if workers:
+            for wid, info in self.db.execute(
+                "SELECT id, info FROM workers WHERE instance=?", (from_owner,)
+            ).fetchall():
+                worker = _decode_worker(info)
+                worker.instance = to_owner
+                self.db.execute(
+                    "UPDATE workers SET instance=?, info=? WHERE id=?",
+                    (to_owner, _encode(worker), wid),
+                )
+        else:
+            self.db.execute("DELETE FROM workers WHERE instance=?", (from_owner,))
         return [r[0] for r in rows]
 
     def upsert_worker(self, worker: WorkerInfo) -> None:
@@ -313,6 +328,29 @@ class SqliteStore(Store):
                 "UNION SELECT DISTINCT instance FROM workers WHERE instance IS NOT NULL"
             ).fetchall()
         return {r[0] for r in rows}
+
+    def count_by_state(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
+        return {str(state): int(n) for state, n in rows}
+
+    def add_token(self, digest: str, role: str, name: str | None, created: float) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO tokens (digest, role, name, created) VALUES (?,?,?,?)",
+                (digest, role, name, created),
+            )
+
+    def token_role(self, digest: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT role FROM tokens WHERE digest=?", (digest,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def count_tokens(self, role: str) -> int:
+        with self._lock:
+            return int(
+                self._db.execute("SELECT COUNT(*) FROM tokens WHERE role=?", (role,)).fetchone()[0]
+            )
 
     def close(self) -> None:
         with self._lock:

@@ -71,7 +71,13 @@ class Transport(abc.ABC):
 
     # ---- workers ----
     @abc.abstractmethod
-    def register_worker(self, info: WorkerInfo) -> WorkerInfo: ...
+    def register_worker(
+        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = ()
+    ) -> WorkerInfo:
+        """Register, or re-attach with the tasks (job id, attempt) still running here."""
+
+    @abc.abstractmethod
+    def heartbeat(self, worker_id: str) -> None: ...
 
     @abc.abstractmethod
     def unregister_worker(self, worker_id: str) -> None: ...

@@ -69,8 +69,13 @@ class InProcessTransport(Transport):
             cache.link_from(self.artifacts.path(digest), digest)
         return cache.path(digest)
 
-    def register_worker(self, info: WorkerInfo) -> WorkerInfo:
-        return self.plane.register_worker(info)
+    def register_worker(
+        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = ()
+    ) -> WorkerInfo:
+        return self.plane.register_worker(info, running)
+
+    def heartbeat(self, worker_id: str) -> None:
+        self.plane.heartbeat(worker_id)
 
     def unregister_worker(self, worker_id: str) -> None:
         self.plane.unregister_worker(worker_id)

@@ -55,6 +55,7 @@ class TaskRun:
         kill_grace: float,
         acquired: float,
         on_done: Callable[[TaskRun], None],
+        report: Callable[[Callable[[], None]], None] = lambda deliver: deliver(),
     ) -> None:
         self.task = task
         self.worker_id = worker_id
@@ -67,6 +68,7 @@ class TaskRun:
         self.kill_grace = kill_grace
         self.marks = {"acquired": acquired}
         self.on_done = on_done
+        self.report = report  # delivers a report now, or later if the server is away
         self._lock = threading.Lock()
         self._ending: Outcome | None = None  # why we are ending it early, if we are
         self._proc: subprocess.Popen[bytes] | None = None
@@ -143,7 +145,7 @@ class TaskRun:
             self._terminator.join()
         self.logs.close_task(self._tasklog)
         try:
-            self.transport.task_finished(result)
+            self.report(lambda: self.transport.task_finished(result))
         finally:
             self.on_done(self)
 
@@ -183,18 +185,17 @@ class TaskRun:
         proc = self._proc
         assert isinstance(proc, subprocess.Popen)
         spec = self.task.spec
-        self.transport.task_started(
-            TaskStarted(
-                job_id=self.task.job_id,
-                attempt=self.task.attempt,
-                worker_id=self.worker_id,
-                acquired=self.marks["acquired"],
-                prepared=self.marks["prepared"],
-                started=self.marks["started"],
-                pid=proc.pid,
-                pid_created=process_create_time(proc.pid),
-            )
+        started = TaskStarted(
+            job_id=self.task.job_id,
+            attempt=self.task.attempt,
+            worker_id=self.worker_id,
+            acquired=self.marks["acquired"],
+            prepared=self.marks["prepared"],
+            started=self.marks["started"],
+            pid=proc.pid,
+            pid_created=process_create_time(proc.pid),
         )
+        self.report(lambda: self.transport.task_started(started))
         tail = self._stderr_tail
 
         def emit(stream: str, text: str) -> None:

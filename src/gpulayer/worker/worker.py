@@ -13,6 +13,7 @@ Its life, in steps:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -24,11 +25,12 @@ from pathlib import Path
 
 from .. import defaults
 from ..artifacts import ArtifactStore
-from ..errors import WorkerError
+from ..errors import InvalidStateError, ServerUnreachable, WorkerError
 from ..jobs import CancelTask, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
 from .gpus import Gpu, detect_gpus
 from .logs import LogSender
+from .outbox import Outbox
 from .task import TaskRun
 from .workspace import make_spare, reuse_if_empty
 
@@ -46,6 +48,7 @@ class Worker:
         slots: int | None = None,
         gpus: list[Gpu] | None = None,
         kill_grace: float = defaults.KILL_GRACE_S,
+        heartbeat_interval: float | None = None,
     ) -> None:
         if slots is not None and slots < 1:
             raise WorkerError(f"a worker needs at least one slot, got slots={slots}")
@@ -80,6 +83,10 @@ class Worker:
         self._idle = threading.Condition(self._tasks_lock)
         self._stopping = threading.Event()
         self._logs = LogSender(transport.append_logs)
+        self._outbox = Outbox()
+        # Remote workers heartbeat; one in the control plane's own process
+        # needs not (it cannot outlive it).
+        self.heartbeat_interval = heartbeat_interval
         self._thread: threading.Thread | None = None
         self._spares: list[Path] = []
         # The environment every task starts from, taken once (see TaskRun).
@@ -98,16 +105,31 @@ class Worker:
             target=self._loop, name=f"gpulayer-worker-{self.info.id}", daemon=True
         )
         self._thread.start()
+        if self.heartbeat_interval:
+            threading.Thread(
+                target=self._heartbeat_loop,
+                args=(self.heartbeat_interval,),
+                name=f"gpulayer-heartbeat-{self.info.id}",
+                daemon=True,
+            ).start()
 
     def _loop(self) -> None:
+        backoff = 0.05
         while not self._stopping.is_set():
             try:
                 instructions = self.transport.acquire(self.info.id, defaults.ACQUIRE_TIMEOUT_S)
-            except Exception:
-                if self._stopping.is_set():
+            except InvalidStateError:
+                # The server does not know us: it restarted, or gave us up
+                # for lost. Register again, naming the tasks still running.
+                if not self._stopping.is_set():
+                    self._reregister()
+                continue
+            except ServerUnreachable:
+                if self._stopping.wait(backoff):
                     return
-                log.exception("worker %s: acquire failed", self.info.id)
-                raise
+                backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
+                continue
+            backoff = 0.05
             now = time.time()
             for instruction in instructions:
                 if isinstance(instruction, RunTask):
@@ -118,16 +140,37 @@ class Worker:
                     if run is not None:
                         run.stop("cancelled")
 
+    def _reregister(self) -> None:
+        with self._tasks_lock:
+            running = [run.key for run in self._tasks.values()]
+        try:
+            self.info = self.transport.register_worker(self.info, running)
+            log.warning(
+                "worker %s: registered again with %d running task(s)", self.info.id, len(running)
+            )
+        except ServerUnreachable:
+            pass  # the acquire loop backs off and tries again
+
+    def _heartbeat_loop(self, interval: float) -> None:
+        while not self._stopping.wait(interval):
+            try:
+                self.transport.heartbeat(self.info.id)
+            except InvalidStateError:
+                self._reregister()
+            except ServerUnreachable:
+                pass  # reconnecting is the acquire loop's job
+            except Exception:
+                log.exception("worker %s: heartbeat failed", self.info.id)
+
     def _new_dir(self) -> Path:
         return self.tasks_dir / f"task-{next(self._dir_numbers)}"
 
     def _start_task(self, task: RunTask, acquired: float) -> None:
         if self._stopping.is_set():  # placed as we stopped: hand it back at once
-            self.transport.task_finished(
-                TaskResult(
-                    job_id=task.job_id, attempt=task.attempt, worker_id=self.info.id, outcome="lost"
-                )
+            result = TaskResult(
+                job_id=task.job_id, attempt=task.attempt, worker_id=self.info.id, outcome="lost"
             )
+            self._outbox.send(lambda: self.transport.task_finished(result))
             return
         with self._tasks_lock:
             task_dir = self._spares.pop() if self._spares else self._new_dir()
@@ -143,6 +186,7 @@ class Worker:
             kill_grace=self.kill_grace,
             acquired=acquired,
             on_done=self._task_done,
+            report=self._outbox.send,
         )
         with self._tasks_lock:
             self._tasks[run.key] = run
@@ -176,7 +220,11 @@ class Worker:
         with self._tasks_lock:
             self._idle.wait_for(lambda: not self._tasks, timeout)
         self._logs.stop()
-        self.transport.unregister_worker(self.info.id)
+        self._outbox.flush(timeout)
+        self._outbox.stop()
+        # If the server is away, it declares us lost when our heartbeats stop.
+        with contextlib.suppress(ServerUnreachable, InvalidStateError):
+            self.transport.unregister_worker(self.info.id)
         shutil.rmtree(self.tasks_dir, ignore_errors=True)
         if self._thread is not None:
             self._thread.join(timeout)

@@ -1,0 +1,357 @@
+"""The HTTP API: ``/api/v1`` routes onto a control plane.
+
+Every handler is a few lines: authenticate, decode (msgspec, strict), call
+the control plane, encode. Long polls (a worker's acquire, a client's wait,
+a log follow) subscribe to the control plane's signals and await them on the
+event loop: a waiting request holds no thread. Control-plane calls are short
+and made on the loop thread itself; blob bodies are streamed in chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from .. import defaults
+from ..artifacts import ArtifactStore
+from ..errors import (
+    ArtifactError,
+    GPUlayerError,
+    InvalidStateError,
+    JobNotFoundError,
+    SpecError,
+)
+from ..jobs import STATES, Instruction, LogLine, TaskResult, TaskStarted, WorkerInfo
+from ..service import ControlPlane
+from ..signals import Unsubscribe
+from . import auth
+from .metrics import Metrics
+from .schemas import (
+    BlobList,
+    HeartbeatRequest,
+    LogBatch,
+    RegisterRequest,
+    SubmitRequest,
+    TokenRequest,
+    TokenResponse,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_POLL_S = 60.0  # a long poll returns empty after this; the caller asks again
+_encoder = msgspec.json.Encoder()
+
+
+class ApiError(GPUlayerError):
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(_encoder.encode(data), status_code=status, media_type="application/json")
+
+
+def _error(status: int, message: str) -> Response:
+    return _json({"error": message}, status)
+
+
+async def _body(request: Request, kind: type[T]) -> T:
+    raw = await request.body()
+    try:
+        return msgspec.json.decode(raw, type=kind, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ApiError(422, f"invalid request body: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+def _query_float(request: Request, name: str, default: float, *, high: float = MAX_POLL_S) -> float:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ApiError(
+            422, f"query parameter {name} must be a number of seconds, got {raw!r}"
+        ) from None
+    if not 0 <= value <= high:
+        raise ApiError(422, f"query parameter {name} must be between 0 and {high:g}, got {raw!r}")
+    return value
+
+
+def _query_int(
+    request: Request, name: str, default: int, *, low: int = 0, high: int = 1 << 62
+) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ApiError(422, f"query parameter {name} must be an integer, got {raw!r}") from None
+    if not low <= value <= high:
+        raise ApiError(422, f"query parameter {name} must be between {low} and {high}, got {raw!r}")
+    return value
+
+
+async def until_signal(
+    plane: ControlPlane,
+    subscribe: Callable[[Callable[[], None]], Unsubscribe | None],
+    timeout: float,
+) -> bool:
+    """Await one firing of a control-plane signal, or ``timeout``; True if it fired."""
+    loop = asyncio.get_running_loop()
+    fired = loop.create_future()
+
+    def settle() -> None:
+        if not fired.done():
+            fired.set_result(None)
+
+    def wake() -> None:  # called under the control plane's lock, maybe from another thread
+        loop.call_soon_threadsafe(settle)
+
+    unsubscribe = subscribe(wake)
+    if unsubscribe is None:
+        return True
+    try:
+        await asyncio.wait_for(fired, timeout)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        plane.unsubscribe(unsubscribe)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class Api:
+    def __init__(
+        self, plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: bool = True
+    ) -> None:
+        self.plane = plane
+        self.artifacts = artifacts
+        self.auth_enabled = auth_enabled
+        self.metrics = Metrics(plane)
+        self._worker_blobs: dict[str, set[str]] = {}  # worker id -> digests it may fetch
+
+    def guard(self, roles: tuple[str, ...] | None, handler: Handler) -> Handler:
+        """Authenticate (unless ``roles`` is None: open), then map errors to statuses."""
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                if roles is not None and self.auth_enabled:
+                    role = auth.role_of(self.plane.store, request.headers.get("authorization"))
+                    auth.require(role, roles)
+                    request.state.role = role
+                else:
+                    request.state.role = auth.ADMIN
+                return await handler(request)
+            except auth.AuthError as exc:
+                return _error(exc.status, str(exc))
+            except ApiError as exc:
+                return _error(exc.status, str(exc))
+            except SpecError as exc:
+                return _json({"error": str(exc), "field": exc.field}, 422)
+            except JobNotFoundError as exc:
+                return _error(404, str(exc))
+            except InvalidStateError as exc:
+                return _error(409, str(exc))
+            except ArtifactError as exc:
+                return _error(400, str(exc))
+            except GPUlayerError as exc:
+                return _error(400, str(exc))
+
+        return endpoint
+
+    # ---- jobs ----
+
+    async def submit(self, request: Request) -> Response:
+        body = await _body(request, SubmitRequest)
+        return _json(self.plane.submit(body.spec, body.id), 201)
+
+    async def list_jobs(self, request: Request) -> Response:
+        states = request.query_params.getlist("state")
+        for state in states:
+            if state not in STATES:
+                raise ApiError(422, f"unknown state {state!r}; valid states: {', '.join(STATES)}")
+        limit = _query_int(request, "limit", 100, low=1, high=10_000)
+        return _json(self.plane.list_jobs(states=states, limit=limit))
+
+    async def get_job(self, request: Request) -> Response:
+        return _json(self.plane.get(request.path_params["job_id"]))
+
+    async def wait_job(self, request: Request) -> Response:
+        job_id = self.plane.resolve(request.path_params["job_id"])
+        timeout = _query_float(request, "timeout", 30.0)
+        final, done = self.plane.watch_job(job_id)
+        if final is None and done is not None:
+            await until_signal(self.plane, lambda cb: self.plane.subscribe_done(done, cb), timeout)
+        return _json(self.plane.get(job_id))
+
+    async def cancel_job(self, request: Request) -> Response:
+        return _json(self.plane.cancel(request.path_params["job_id"]))
+
+    async def job_logs(self, request: Request) -> Response:
+        job_id = self.plane.resolve(request.path_params["job_id"])
+        after = (_query_int(request, "attempt", 0), _query_int(request, "seq", 0))
+        timeout = _query_float(request, "timeout", 0.0)
+        chunk = self.plane.logs_after(job_id, after)
+        if not chunk.lines and not chunk.done and timeout > 0:
+            await until_signal(self.plane, lambda cb: self.plane.watch_logs(job_id, cb), timeout)
+            chunk = self.plane.logs_after(job_id, after)
+        return _json(chunk)
+
+    async def list_workers(self, request: Request) -> Response:
+        return _json(self.plane.list_workers())
+
+    # ---- blobs ----
+
+    async def missing_blobs(self, request: Request) -> Response:
+        body = await _body(request, BlobList)
+        return _json(
+            BlobList(digests=sorted(d for d in set(body.digests) if not self.artifacts.has(d)))
+        )
+
+    async def put_blob(self, request: Request) -> Response:
+        digest = request.path_params["digest"]
+        if self.artifacts.has(digest):
+            async for _ in request.stream():
+                pass  # drain what was sent; the blob is already here
+            return _json({"digest": digest}, 200)
+        writer = self.artifacts.writer(digest)
+        try:
+            async for chunk in request.stream():
+                writer.write(chunk)
+        except BaseException:
+            writer.abort()
+            raise
+        return _json({"digest": writer.commit(), "size": writer.size}, 201)
+
+    async def get_blob(self, request: Request) -> Response:
+        digest = request.path_params["digest"]
+        path = self.artifacts.path(digest)
+        if request.state.role == auth.WORKER:
+            worker_id = request.headers.get("x-gpulayer-worker", "")
+            if not self.plane.may_fetch(worker_id, digest, self.artifacts):
+                raise auth.AuthError(403, f"worker {worker_id or '?'} was not given blob {digest}")
+        if not path.exists():
+            raise ApiError(404, f"no blob {digest} on this server")
+        return FileResponse(path, media_type="application/octet-stream")
+
+    # ---- workers ----
+
+    async def register(self, request: Request) -> Response:
+        body = await _body(request, RegisterRequest)
+        info = self.plane.register_worker(body.worker, [(j, a) for j, a in body.running])
+        return _json(info, 201)
+
+    async def unregister(self, request: Request) -> Response:
+        self.plane.unregister_worker(request.path_params["worker_id"])
+        return Response(status_code=204)
+
+    async def heartbeat(self, request: Request) -> Response:
+        await _body(request, HeartbeatRequest)
+        self.plane.heartbeat(request.path_params["worker_id"])
+        return Response(status_code=204)
+
+    async def acquire(self, request: Request) -> Response:
+        worker_id = request.path_params["worker_id"]
+        timeout = _query_float(request, "timeout", 30.0)
+        ready: list[Instruction] = []
+
+        def subscribe(callback: Callable[[], None]) -> Unsubscribe | None:
+            items, unsubscribe = self.plane.watch_worker(worker_id, callback)
+            ready.extend(items)
+            return unsubscribe
+
+        if await until_signal(self.plane, subscribe, timeout) and not ready:
+            ready = self.plane.take_instructions(worker_id)
+        self.metrics.observe_dispatch(ready, time.time())
+        return _json(ready)
+
+    async def task_started(self, request: Request) -> Response:
+        self.plane.task_started(await _body(request, TaskStarted))
+        return Response(status_code=204)
+
+    async def task_logs(self, request: Request) -> Response:
+        batch = await _body(request, LogBatch)
+        self.plane.append_logs(batch.job_id, batch.attempt, batch.lines)
+        return Response(status_code=204)
+
+    async def task_finished(self, request: Request) -> Response:
+        self.plane.task_finished(await _body(request, TaskResult), yield_to_waiters=False)
+        return Response(status_code=204)
+
+    # ---- admin and operations ----
+
+    async def create_token(self, request: Request) -> Response:
+        body = await _body(request, TokenRequest)
+        return _json(
+            TokenResponse(
+                token=auth.create_token(self.plane.store, body.role, body.name), role=body.role
+            ),
+            201,
+        )
+
+    async def health(self, request: Request) -> Response:
+        return _json({"ok": True})
+
+    async def metrics_text(self, request: Request) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def openapi(self, request: Request) -> Response:
+        from .openapi import document
+
+        return JSONResponse(document())
+
+
+def create_app(
+    plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: bool = True
+) -> Starlette:
+    api = Api(plane, artifacts, auth_enabled=auth_enabled)
+    user, worker, both = (auth.USER,), (auth.WORKER,), (auth.USER, auth.WORKER)
+    g = api.guard
+    v1 = "/api/v1"
+    routes = [
+        Route("/healthz", g(None, api.health), methods=["GET"]),
+        Route("/openapi.json", g(None, api.openapi), methods=["GET"]),
+        Route("/metrics", g(user, api.metrics_text), methods=["GET"]),
+        Route(f"{v1}/jobs", g(user, api.submit), methods=["POST"]),
+        Route(f"{v1}/jobs", g(user, api.list_jobs), methods=["GET"]),
+        Route(f"{v1}/jobs/{{job_id}}", g(user, api.get_job), methods=["GET"]),
+        Route(f"{v1}/jobs/{{job_id}}/wait", g(user, api.wait_job), methods=["POST"]),
+        Route(f"{v1}/jobs/{{job_id}}/cancel", g(user, api.cancel_job), methods=["POST"]),
+        Route(f"{v1}/jobs/{{job_id}}/logs", g(user, api.job_logs), methods=["GET"]),
+        Route(f"{v1}/workers", g(user, api.list_workers), methods=["GET"]),
+        Route(f"{v1}/workers", g(worker, api.register), methods=["POST"]),
+        Route(f"{v1}/workers/{{worker_id}}", g(worker, api.unregister), methods=["DELETE"]),
+        Route(f"{v1}/workers/{{worker_id}}/heartbeat", g(worker, api.heartbeat), methods=["POST"]),
+        Route(f"{v1}/workers/{{worker_id}}/acquire", g(worker, api.acquire), methods=["POST"]),
+        Route(f"{v1}/tasks/started", g(worker, api.task_started), methods=["POST"]),
+        Route(f"{v1}/tasks/logs", g(worker, api.task_logs), methods=["POST"]),
+        Route(f"{v1}/tasks/finished", g(worker, api.task_finished), methods=["POST"]),
+        Route(f"{v1}/blobs/missing", g(both, api.missing_blobs), methods=["POST"]),
+        Route(f"{v1}/blobs/{{digest:str}}", g(both, api.put_blob), methods=["PUT"]),
+        Route(f"{v1}/blobs/{{digest:str}}", g(both, api.get_blob), methods=["GET"]),
+        Route(f"{v1}/tokens", g((), api.create_token), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes)
+    app.state.api = api
+    return app
+
+
+__all__ = ["LogLine", "WorkerInfo", "create_app", "defaults"]

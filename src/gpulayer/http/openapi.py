@@ -1,0 +1,185 @@
+"""The OpenAPI document of the HTTP API, built from the same types the
+handlers decode with (msgspec generates their JSON Schema)."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import msgspec
+
+from .. import __version__
+from ..jobs import Instruction, JobInfo, LogChunk, TaskResult, TaskStarted, WorkerInfo
+from .schemas import (
+    BlobList,
+    HeartbeatRequest,
+    LogBatch,
+    RegisterRequest,
+    SubmitRequest,
+    TokenRequest,
+    TokenResponse,
+)
+
+# (method, path, summary, request body type, response type, query parameters)
+_Q = dict[str, tuple[str, str]]  # name -> (JSON type, description)
+_ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
+    ("post", "/api/v1/jobs", "Submit a job", SubmitRequest, JobInfo, {}),
+    (
+        "get",
+        "/api/v1/jobs",
+        "List jobs, newest first",
+        None,
+        list[JobInfo],
+        {
+            "state": ("string", "only jobs in this state (repeatable)"),
+            "limit": ("integer", "at most this many (1-10000)"),
+        },
+    ),
+    ("get", "/api/v1/jobs/{job_id}", "One job (by id or unique prefix)", None, JobInfo, {}),
+    (
+        "post",
+        "/api/v1/jobs/{job_id}/wait",
+        "Long poll until the job is final or the timeout passes",
+        None,
+        JobInfo,
+        {"timeout": ("number", "seconds to wait, 0-60")},
+    ),
+    ("post", "/api/v1/jobs/{job_id}/cancel", "Cancel a job", None, JobInfo, {}),
+    (
+        "get",
+        "/api/v1/jobs/{job_id}/logs",
+        "Log lines after a cursor; long polls when timeout is given",
+        None,
+        LogChunk,
+        {
+            "attempt": ("integer", "cursor: attempt"),
+            "seq": ("integer", "cursor: line number"),
+            "timeout": ("number", "seconds to wait for new lines, 0-60"),
+        },
+    ),
+    ("get", "/api/v1/workers", "List workers", None, list[WorkerInfo], {}),
+    (
+        "post",
+        "/api/v1/workers",
+        "Register (or re-attach) a worker",
+        RegisterRequest,
+        WorkerInfo,
+        {},
+    ),
+    ("delete", "/api/v1/workers/{worker_id}", "Unregister a worker", None, None, {}),
+    (
+        "post",
+        "/api/v1/workers/{worker_id}/heartbeat",
+        "A worker is alive",
+        HeartbeatRequest,
+        None,
+        {},
+    ),
+    (
+        "post",
+        "/api/v1/workers/{worker_id}/acquire",
+        "Long poll for the worker's next instructions",
+        None,
+        list[Instruction],
+        {"timeout": ("number", "seconds to wait, 0-60")},
+    ),
+    ("post", "/api/v1/tasks/started", "A task's process started", TaskStarted, None, {}),
+    ("post", "/api/v1/tasks/logs", "A batch of a task's log lines", LogBatch, None, {}),
+    ("post", "/api/v1/tasks/finished", "A task ended", TaskResult, None, {}),
+    (
+        "post",
+        "/api/v1/blobs/missing",
+        "Which of these blobs the server lacks",
+        BlobList,
+        BlobList,
+        {},
+    ),
+    ("put", "/api/v1/blobs/{digest}", "Upload a blob (sha256 of its bytes)", bytes, None, {}),
+    ("get", "/api/v1/blobs/{digest}", "Download a blob", None, bytes, {}),
+    ("post", "/api/v1/tokens", "Create an API token (admin)", TokenRequest, TokenResponse, {}),
+    ("get", "/healthz", "Liveness", None, None, {}),
+]
+
+
+@cache
+def document() -> dict[str, Any]:
+    types = [
+        t for _, _, _, body, resp, _ in _ROUTES for t in (body, resp) if t not in (None, bytes)
+    ]
+    schemas, components = msgspec.json.schema_components(
+        types, ref_template="#/components/schemas/{name}"
+    )
+    refs = iter(schemas)
+    paths: dict[str, dict[str, Any]] = {}
+    error = {
+        "description": "error",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"error": {"type": "string"}},
+                    "required": ["error"],
+                }
+            }
+        },
+    }
+    for method, path, summary, body, resp, query in _ROUTES:
+        op: dict[str, Any] = {"summary": summary, "responses": {}}
+        params = [
+            {"name": p.strip("{}"), "in": "path", "required": True, "schema": {"type": "string"}}
+            for p in path.split("/")
+            if p.startswith("{")
+        ]
+        params += [
+            {"name": n, "in": "query", "required": False, "schema": {"type": t}, "description": d}
+            for n, (t, d) in query.items()
+        ]
+        if params:
+            op["parameters"] = params
+        if body is bytes:
+            op["requestBody"] = {
+                "required": True,
+                "content": {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+                },
+            }
+        elif body is not None:
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": next(refs)}},
+            }
+        ok = (
+            "201"
+            if method in ("post", "put")
+            and resp in (SubmitRequest, JobInfo, WorkerInfo, TokenResponse)
+            and path in ("/api/v1/jobs", "/api/v1/workers", "/api/v1/tokens")
+            else "200"
+        )
+        if resp is bytes:
+            op["responses"][ok] = {
+                "description": "the blob",
+                "content": {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+                },
+            }
+        elif resp is not None:
+            op["responses"][ok] = {
+                "description": "ok",
+                "content": {"application/json": {"schema": next(refs)}},
+            }
+        else:
+            op["responses"]["204" if path != "/healthz" else "200"] = {"description": "ok"}
+        for status in ("400", "401", "403", "404", "409", "422"):
+            op["responses"][status] = error
+        if path not in ("/healthz",):
+            op["security"] = [{"bearer": []}]
+        paths.setdefault(path, {})[method] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "GPUlayer", "version": __version__},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

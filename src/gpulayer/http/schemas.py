@@ -1,0 +1,46 @@
+"""Request and response bodies of the HTTP API that are not records already."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from ..jobs import LogLine, WorkerInfo
+from ..spec import JobSpec
+
+
+class SubmitRequest(msgspec.Struct, forbid_unknown_fields=True):
+    spec: JobSpec
+    # Made by the client so that a submit retried after a lost reply is not
+    # stored twice: the same id and spec return the job already stored.
+    id: str | None = None
+
+
+class BlobList(msgspec.Struct, forbid_unknown_fields=True):
+    digests: list[str]
+
+
+class RegisterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    worker: WorkerInfo
+    running: list[tuple[str, int]] = []  # (job id, attempt) a returning worker still runs
+
+
+class HeartbeatRequest(msgspec.Struct, forbid_unknown_fields=True):
+    running: list[tuple[str, int]] = []
+
+
+class LogBatch(msgspec.Struct, forbid_unknown_fields=True):
+    job_id: str
+    attempt: int
+    lines: list[LogLine]
+
+
+class TokenRequest(msgspec.Struct, forbid_unknown_fields=True):
+    role: Literal["admin", "user", "worker"]
+    name: str | None = None
+
+
+class TokenResponse(msgspec.Struct):
+    token: str
+    role: str

@@ -1,0 +1,173 @@
+"""``gpulayer server start``: the control plane as a long-running HTTP server.
+
+Start-up, in order:
+
+1. open the home (the store, the artifacts) and claim a fresh instance id;
+2. recover what the previous server process left: queued jobs queue again;
+   running jobs stay running, since their workers outlive the server, and
+   their workers get the heartbeat timeout to reconnect and say so;
+3. make the admin token on first start (printed once, kept 0600 in the home);
+4. serve the API under uvicorn; a background task declares silent workers lost.
+
+SIGTERM or Ctrl-C stop it gracefully: requests in flight finish, the store
+closes. A restart loses nothing: every step of a job was committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import defaults
+from ..artifacts import ArtifactStore
+from ..errors import GPUlayerError
+from ..home import Home
+from ..ids import new_id
+from ..service import ControlPlane
+from ..store.sqlite import SqliteStore
+from . import auth
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+log = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(
+                ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None)
+            )
+        except OSError:
+            return False
+
+
+class Server:
+    def __init__(
+        self,
+        home: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = defaults.SERVER_PORT,
+        auth_enabled: bool = True,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT_S,
+    ) -> None:
+        if not auth_enabled and not is_loopback(host):
+            raise GPUlayerError(
+                f"refusing to listen on {host} without auth: anyone who reaches it could run code; "
+                "drop --no-auth, or listen on 127.0.0.1"
+            )
+        if (tls_cert is None) != (tls_key is None):
+            raise GPUlayerError("TLS needs both a certificate (--tls-cert) and its key (--tls-key)")
+        self.host, self.port = host, port
+        self.tls_cert, self.tls_key = tls_cert, tls_key
+        self.auth_enabled = auth_enabled
+        self.heartbeat_timeout = heartbeat_timeout
+        self.home = Home(home)
+        self.instance_id = new_id()
+        self.home.claim_instance(self.instance_id)
+        self.store = SqliteStore(self.home.db)
+        self.artifacts = ArtifactStore(self.home.artifacts)
+        self.plane = ControlPlane(self.store, instance_id=self.instance_id)
+        recovered = self._recover()
+        if recovered:
+            log.info("took over %d job(s) from the previous server process", len(recovered))
+        self.admin_token = self._admin_token()
+
+    def _recover(self) -> list[str]:
+        recovered: list[str] = []
+        for owner in sorted(self.store.owners() - {self.instance_id}):
+            fd = self.home.lock_if_dead(owner)
+            if fd is None:
+                raise GPUlayerError(
+                    f"another GPUlayer process (instance {owner}) is using the home {self.home.path}; "
+                    "stop it first, or give this server its own --home"
+                )
+            try:
+                recovered += self.plane.recover(owner, workers_outlive=True)
+            finally:
+                self.home.forget_instance(owner, fd)
+        return recovered
+
+    def _admin_token(self) -> str | None:
+        """A new admin token on first start (None after: it is shown only once)."""
+        if not self.auth_enabled or self.store.count_tokens(auth.ADMIN):
+            return None
+        token = auth.create_token(self.store, auth.ADMIN, "first admin")
+        path = self.home.path / "admin-token"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        return token
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.tls_cert else "http"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
+
+    def app(self) -> Starlette:
+        from .app import create_app
+
+        app = create_app(self.plane, self.artifacts, auth_enabled=self.auth_enabled)
+        server = self
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: object) -> AsyncIterator[None]:
+            reaper = asyncio.create_task(server._reap_forever())
+            try:
+                yield
+            finally:
+                reaper.cancel()
+                server.close()
+
+        app.router.lifespan_context = lifespan
+        return app
+
+    async def _reap_forever(self) -> None:
+        interval = max(0.05, self.heartbeat_timeout / 4)
+        while True:
+            await asyncio.sleep(interval)  # a timer, not a wait on the job path
+            try:
+                lost = self.plane.reap(self.heartbeat_timeout)
+            except Exception:
+                log.exception("checking worker heartbeats failed")
+                continue
+            for worker_id in lost:
+                log.warning("worker %s stopped heartbeating: declared lost", worker_id)
+
+    def close(self) -> None:
+        self.plane.close_workers()
+        self.store.close()
+        self.home.release_instance(self.instance_id)
+
+    def serve(self, sock: socket.socket | None = None) -> None:
+        import uvicorn
+
+        config = uvicorn.Config(
+            self.app(),
+            host=self.host,
+            port=self.port,
+            ssl_certfile=self.tls_cert,
+            ssl_keyfile=self.tls_key,
+            log_level="warning",
+            access_log=False,  # no request lines (and never a header) in the logs
+            timeout_graceful_shutdown=5,
+            backlog=4096,
+            limit_concurrency=None,
+        )
+        uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

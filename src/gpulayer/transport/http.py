@@ -1,0 +1,354 @@
+"""The transport to a GPUlayer server: JSON over HTTP/1.1 (stdlib ``http.client``).
+
+One keep-alive connection per thread. Long polls (acquire, wait, log follow)
+are plain requests the server holds open. Blobs stream in 1 MiB chunks in
+both directions and are verified against their digest; a file is never held
+whole in memory. Errors come back as the exceptions the embedded control
+plane raises, so callers handle both alike.
+
+The client is stdlib on purpose: it is on every worker's and CLI's import
+path, and ``http.client`` costs a fraction of a third-party client's import
+time for the little this API needs (ADR-0008).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from ..artifacts import ArtifactStore, sha256_file
+from ..errors import (
+    AccessDenied,
+    ArtifactError,
+    GPUlayerError,
+    InvalidStateError,
+    JobNotFoundError,
+    ServerUnreachable,
+    SpecError,
+    TransportError,
+)
+from ..ids import new_id
+from ..jobs import Instruction, JobInfo, LogChunk, LogLine, TaskResult, TaskStarted, WorkerInfo
+from ..spec import JobSpec
+from . import Transport
+
+T = TypeVar("T")
+_CHUNK = 1024 * 1024
+_POLL_S = 30.0  # the longest single long poll; longer waits loop
+_encode = msgspec.json.encode
+
+
+class HttpTransport(Transport):
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        worker_id: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 3,
+        ca_file: str | None = None,
+    ) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise GPUlayerError(f"a server URL looks like http://host:8585, got {url!r}")
+        self.url = url.rstrip("/")
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port or (443 if self._https else 80)
+        self._base = parts.path.rstrip("/")
+        self._token = token
+        self.worker_id = worker_id  # sent with blob fetches so the server can check them
+        self._timeout = timeout
+        self._retries = retries
+        self._ssl = ssl.create_default_context(cafile=ca_file) if self._https else None
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return f"HttpTransport({self.url!r})"  # never the token
+
+    # ---- plumbing ----
+
+    def _conn(self, timeout: float) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            if self._https:
+                conn = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=timeout, context=self._ssl
+                )
+            else:
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            self._local.conn = conn
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        if self.worker_id:
+            headers["X-GPUlayer-Worker"] = self.worker_id
+        if extra:
+            headers.update(extra)
+        return headers
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        body: bytes | None = None,
+        wait: float = 0.0,
+        retry: bool = True,
+    ) -> http.client.HTTPResponse:
+        """One request; connection failures are retried (``retry``) then raise ServerUnreachable."""
+        target = self._base + path
+        if query:
+            target += "?" + urllib.parse.urlencode(query, doseq=True)
+        headers = self._headers({"Content-Type": "application/json"} if body is not None else None)
+        attempts = self._retries if retry else 1
+        for attempt in range(attempts):
+            conn = self._conn(self._timeout + wait)
+            try:
+                conn.request(method, target, body=body, headers=headers)
+                response = conn.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop()  # a half-used keep-alive connection cannot be trusted
+                if attempt + 1 == attempts:
+                    raise ServerUnreachable(
+                        f"cannot reach the GPUlayer server at {self.url}: {exc}"
+                    ) from None
+                time.sleep(min(0.05 * 2**attempt, 1.0))  # back off before retrying
+                continue
+            if response.status >= 400:
+                raise self._error(response)
+            return response
+        raise AssertionError("unreachable")
+
+    def _error(self, response: http.client.HTTPResponse) -> GPUlayerError:
+        raw = response.read()
+        try:
+            data = json.loads(raw)
+            message = str(data.get("error", raw[:200]))
+        except ValueError:
+            data, message = {}, raw[:200].decode("utf-8", "replace")
+        status = response.status
+        if status in (401, 403):
+            return AccessDenied(f"{message} ({self.url})")
+        if status == 404 and "blob" in message:
+            return ArtifactError(message)
+        if status == 404:
+            return JobNotFoundError(message)
+        if status == 409:
+            return InvalidStateError(message)
+        if status == 422 and "field" in data:
+            error = SpecError(str(data["field"]), "")
+            error.args = (message,)
+            return error
+        if status >= 500:
+            return TransportError(f"the server failed ({status}): {message}")
+        return TransportError(f"the server refused the request ({status}): {message}")
+
+    def _call(self, method: str, path: str, kind: type[T], **kwargs: Any) -> T:
+        response = self._send(method, path, **kwargs)
+        return msgspec.json.decode(response.read(), type=kind)
+
+    def _post(self, path: str, payload: object, **kwargs: Any) -> None:
+        self._send("POST", path, body=_encode(payload), **kwargs).read()
+
+    # ---- clients ----
+
+    def submit(self, spec: JobSpec) -> JobInfo:
+        # The id is made here so a submit retried after a lost reply is stored once.
+        body = _encode({"spec": spec, "id": new_id()})
+        return self._call("POST", "/api/v1/jobs", JobInfo, body=body)
+
+    def get_job(self, job_id: str) -> JobInfo:
+        return self._call("GET", f"/api/v1/jobs/{_q(job_id)}", JobInfo)
+
+    def list_jobs(self, *, states: Iterable[str] = (), limit: int | None = None) -> list[JobInfo]:
+        query: dict[str, Any] = {"state": list(states)}
+        if limit is not None:
+            query["limit"] = limit
+        return self._call("GET", "/api/v1/jobs", list[JobInfo], query=query)
+
+    def wait(self, job_id: str, timeout: float | None) -> JobInfo:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = (
+                _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+            )
+            job = self._call(
+                "POST",
+                f"/api/v1/jobs/{_q(job_id)}/wait",
+                JobInfo,
+                query={"timeout": f"{left:.3f}"},
+                wait=left,
+            )
+            if job.done or (deadline is not None and time.monotonic() >= deadline):
+                return job
+
+    def cancel(self, job_id: str) -> JobInfo:
+        return self._call("POST", f"/api/v1/jobs/{_q(job_id)}/cancel", JobInfo)
+
+    def read_logs(self, job_id: str, after: tuple[int, int], timeout: float) -> LogChunk:
+        timeout = min(timeout, 60.0)
+        query = {"attempt": after[0], "seq": after[1], "timeout": f"{timeout:.3f}"}
+        return self._call(
+            "GET", f"/api/v1/jobs/{_q(job_id)}/logs", LogChunk, query=query, wait=timeout
+        )
+
+    def list_workers(self) -> list[WorkerInfo]:
+        return self._call("GET", "/api/v1/workers", list[WorkerInfo])
+
+    # ---- blobs ----
+
+    def missing_blobs(self, digests: Iterable[str]) -> set[str]:
+        found = self._call(
+            "POST",
+            "/api/v1/blobs/missing",
+            _BlobList,
+            body=_encode({"digests": sorted(set(digests))}),
+        )
+        return set(found.digests)
+
+    def upload_blob(
+        self,
+        path: Path,
+        digest: str | None = None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> str:
+        digest = digest or sha256_file(path)
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            body = _Reader(f, on_progress)
+            for attempt in range(self._retries):
+                f.seek(0)
+                conn = self._conn(self._timeout)
+                try:
+                    conn.request(
+                        "PUT",
+                        f"{self._base}/api/v1/blobs/{digest}",
+                        body=body,
+                        headers=self._headers(
+                            {
+                                "Content-Type": "application/octet-stream",
+                                "Content-Length": str(size),
+                            }
+                        ),
+                    )
+                    response = conn.getresponse()
+                except (OSError, http.client.HTTPException) as exc:
+                    self._drop()
+                    if attempt + 1 == self._retries:
+                        raise ServerUnreachable(f"cannot upload to {self.url}: {exc}") from None
+                    continue
+                if response.status >= 400:
+                    raise self._error(response)
+                response.read()
+                return digest
+        raise AssertionError("unreachable")
+
+    def upload_bytes(self, data: bytes) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        response = self._send("PUT", f"/api/v1/blobs/{digest}", body=data)
+        response.read()
+        return digest
+
+    def download_blob(self, digest: str, cache: ArtifactStore) -> Path:
+        if cache.has(digest):
+            return cache.path(digest)
+        response = self._send("GET", f"/api/v1/blobs/{digest}")
+        writer = cache.writer(digest)
+        try:
+            while chunk := response.read(_CHUNK):
+                writer.write(chunk)
+        except BaseException:
+            writer.abort()
+            self._drop()
+            raise
+        writer.commit()
+        return cache.path(digest)
+
+    # ---- workers ----
+
+    def register_worker(
+        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = ()
+    ) -> WorkerInfo:
+        body = _encode({"worker": info, "running": [list(r) for r in running]})
+        registered = self._call("POST", "/api/v1/workers", WorkerInfo, body=body)
+        self.worker_id = registered.id
+        return registered
+
+    def unregister_worker(self, worker_id: str) -> None:
+        self._send("DELETE", f"/api/v1/workers/{_q(worker_id)}").read()
+
+    def heartbeat(self, worker_id: str) -> None:
+        self._post(f"/api/v1/workers/{_q(worker_id)}/heartbeat", {"running": []}, retry=False)
+
+    def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
+        timeout = min(timeout, 60.0)
+        return self._call(
+            "POST",
+            f"/api/v1/workers/{_q(worker_id)}/acquire",
+            list[Instruction],
+            query={"timeout": f"{timeout:.3f}"},
+            wait=timeout,
+            retry=False,
+        )
+
+    def task_started(self, report: TaskStarted) -> None:
+        self._post("/api/v1/tasks/started", report)
+
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine]) -> None:
+        self._post("/api/v1/tasks/logs", {"job_id": job_id, "attempt": attempt, "lines": lines})
+
+    def task_finished(self, result: TaskResult) -> None:
+        self._post("/api/v1/tasks/finished", result)
+
+    def close(self) -> None:
+        self._drop()
+
+
+class _BlobList(msgspec.Struct):
+    digests: list[str]
+
+
+class _Reader:
+    """A file body for http.client that reports progress as it is read."""
+
+    def __init__(self, f: Any, on_progress: Callable[[int], None] | None) -> None:
+        self.f = f
+        self.on_progress = on_progress
+
+    def read(self, n: int = _CHUNK) -> bytes:
+        data: bytes = self.f.read(min(n, _CHUNK) if n > 0 else _CHUNK)
+        if data and self.on_progress is not None:
+            self.on_progress(len(data))
+        return data
+
+
+def _q(segment: str) -> str:
+    return urllib.parse.quote(segment, safe="")
+
+
+__all__ = ["HttpTransport"]
