@@ -164,9 +164,7 @@ def _load_yaml(path: str) -> dict[str, Any]:
 @click.option(
     "--workers",
     type=int,
-    default=1,
-    show_default=True,
-    help="Local workers to run (embedded mode).",
+    help="Local workers to start (default: 1 embedded, none with a server).",
 )
 @click.option("--slots", type=int, help="Slots per local CPU worker (GPU workers: one per GPU).")
 @click.option(
@@ -182,7 +180,7 @@ def run(
     target: str | None,
     args: tuple[str, ...],
     job_file: str | None,
-    workers: int,
+    workers: int | None,
     slots: int | None,
     follow: bool,
     download: bool,
@@ -225,7 +223,10 @@ def run(
         raise click.UsageError(
             "--detach needs a server: an embedded job runs only while this command does"
         )
-    client.ensure_local_workers(workers, slots=slots)
+    if workers is None:
+        workers = 0 if ctx.obj["server"] else 1
+    if workers:
+        client.ensure_local_workers(workers, slots=slots)
     job = client.submit(**fields)
     click.echo(f"gpulayer: job {job.id} submitted", err=True)
     try:
@@ -394,6 +395,138 @@ def _main() -> None:
     except GPUlayerError as exc:
         click.echo(f"gpulayer: error: {exc}", err=True)
         sys.exit(2)
+
+
+@main.group()
+def server() -> None:
+    """Run the control plane as an HTTP server."""
+
+
+@server.command("start")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8585, show_default=True)
+@click.option("--no-auth", is_flag=True, help="No tokens (only allowed on a loopback address).")
+@click.option(
+    "--tls-cert", type=click.Path(dir_okay=False, exists=True), help="TLS certificate (PEM)."
+)
+@click.option(
+    "--tls-key", type=click.Path(dir_okay=False, exists=True), help="TLS private key (PEM)."
+)
+@click.option(
+    "--heartbeat-timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds of silence before a worker is declared lost.",
+)
+@click.pass_context
+def server_start(
+    ctx: click.Context,
+    host: str,
+    port: int,
+    no_auth: bool,
+    tls_cert: str | None,
+    tls_key: str | None,
+    heartbeat_timeout: float,
+) -> None:
+    """Serve the API; state lives in the GPUlayer home."""
+    from .home import resolve_home
+    from .http.server import Server
+
+    srv = Server(
+        resolve_home(ctx.obj["home"]),
+        host=host,
+        port=port,
+        auth_enabled=not no_auth,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        heartbeat_timeout=heartbeat_timeout,
+    )
+    click.echo(f"gpulayer: serving {srv.url} (home {srv.home.path})", err=True)
+    if srv.admin_token:
+        click.echo(
+            f"gpulayer: admin token (shown once; also in {srv.home.path / 'admin-token'}):",
+            err=True,
+        )
+        click.echo(srv.admin_token)
+    srv.serve()
+
+
+@main.group()
+def worker() -> None:
+    """Run a worker that takes tasks from a server."""
+
+
+@worker.command("start")
+@click.option(
+    "--slots", type=int, help="Slots on a CPU-only machine (default 1; GPU machines: one per GPU)."
+)
+@click.option("--name", help="A name for this worker (default: host-pid).")
+@click.option("--cache", type=click.Path(file_okay=False), help="Where fetched blobs are cached.")
+@click.option(
+    "--kill-grace",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds between SIGTERM and SIGKILL when a task is cancelled or times out.",
+)
+@click.pass_context
+def worker_start(
+    ctx: click.Context, slots: int | None, name: str | None, cache: str | None, kill_grace: float
+) -> None:
+    """Offer this machine's slots to a server until stopped (SIGTERM or Ctrl-C)."""
+    import signal
+    import threading
+
+    from . import defaults
+    from .artifacts import ArtifactStore
+    from .home import resolve_home
+    from .transport.http import HttpTransport
+    from .worker.worker import Worker
+
+    url = ctx.obj["server"]
+    if not url:
+        raise click.UsageError("a worker needs a server: --server URL or GPULAYER_SERVER")
+    home = resolve_home(ctx.obj["home"])
+    transport = HttpTransport(url, token=ctx.obj["token"])
+    node = Worker(
+        transport,
+        cache=ArtifactStore(Path(cache) if cache else home / "worker-cache"),
+        work_dir=home / "workers",
+        name=name,
+        slots=slots,
+        kill_grace=kill_grace,
+        heartbeat_interval=defaults.HEARTBEAT_INTERVAL_S,
+    )
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    node.start()
+    click.echo(
+        f"gpulayer: worker {node.id} ({len(node.info.slot_gpus)} slots) serving {url}", err=True
+    )
+    stop.wait()
+    click.echo(f"gpulayer: worker {node.id} stopping", err=True)
+    node.stop(timeout=30)
+
+
+@main.group()
+def token() -> None:
+    """Manage API tokens (needs an admin token)."""
+
+
+@token.command("create")
+@click.option("--role", type=click.Choice(["worker", "user", "admin"]), required=True)
+@click.option("--name", help="What the token is for.")
+@click.pass_context
+def token_create(ctx: click.Context, role: str, name: str | None) -> None:
+    """Make a token and print it (it is shown only this once)."""
+    from .transport.http import HttpTransport
+
+    if not ctx.obj["server"]:
+        raise click.UsageError("tokens belong to a server: --server URL or GPULAYER_SERVER")
+    transport = HttpTransport(ctx.obj["server"], token=ctx.obj["token"])
+    click.echo(transport.create_token(role, name))
 
 
 if __name__ == "__main__":

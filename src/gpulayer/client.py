@@ -5,20 +5,26 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
+import subprocess
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from . import bundle, defaults
-from .errors import GPUlayerError, SpecError, WaitTimeout
+from .errors import GPUlayerError, SpecError, WaitTimeout, WorkerError
 from .home import resolve_home
 from .jobs import JobInfo, LogLine, WorkerInfo
 from .spec import ArtifactRef, check_input_name, parse_spec
 from .transport import Transport
+
+if TYPE_CHECKING:
+    from .embedded import Embedded
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +55,23 @@ class Client:
         progress: Progress | None = None,
     ) -> None:
         url = url or os.environ.get("GPULAYER_SERVER")
+        self._progress = progress or _no_progress
+        self._auto_worker = auto_worker
+        self._local_workers: list[subprocess.Popen[bytes]] = []
+        self.url = url
+        self.home = resolve_home(home)
+        self._embedded: Embedded | None = None
         if url:
-            raise GPUlayerError(
-                f"cannot reach {url}: this version of GPUlayer runs embedded only (server mode is not built yet)"
-            )
+            from .transport.http import HttpTransport
+
+            self._token = token or os.environ.get("GPULAYER_TOKEN")
+            self._transport: Transport = HttpTransport(url, token=self._token)
+            return
         from .embedded import Embedded
 
-        self._embedded: Embedded | None = Embedded(resolve_home(home))
-        self.home = self._embedded.home.path
-        self._transport: Transport = self._embedded.transport
-        self._auto_worker = auto_worker
-        self._progress = progress or _no_progress
+        embedded = self._embedded = Embedded(self.home)
+        self.home = embedded.home.path
+        self._transport = embedded.transport
 
     # ---- lifecycle ----
 
@@ -79,28 +91,85 @@ class Client:
         if self._embedded is not None:
             self._embedded.close()
             self._embedded = None
+        for proc in self._local_workers:
+            proc.terminate()
+        for proc in self._local_workers:
+            proc.wait()
+        self._local_workers.clear()
+        self._transport.close()
 
     @property
     def transport(self) -> Transport:
         return self._transport
 
     def ensure_local_workers(
-        self, count: int, *, slots: int | None = None, kill_grace: float = defaults.KILL_GRACE_S
+        self,
+        count: int,
+        *,
+        slots: int | None = None,
+        kill_grace: float = defaults.KILL_GRACE_S,
+        worker_token: str | None = None,
     ) -> list[WorkerInfo]:
-        """Start workers in this process until ``count`` run; returns them.
+        """Start workers on this machine until ``count`` run; returns them.
 
-        ``slots`` sets a CPU-only worker's slot count (GPU workers have one per
-        GPU); ``kill_grace`` is how long a cancelled or timed-out job gets
-        between SIGTERM and SIGKILL.
+        Embedded, they are threads of this process. Against a server, they are
+        ``gpulayer worker start`` processes connected to it (with
+        ``worker_token``, else this client's token, which must then be an
+        admin's), stopped when this client closes. ``slots`` sets a CPU-only
+        worker's slot count (GPU workers have one per GPU); ``kill_grace`` is
+        how long a cancelled or timed-out job gets between SIGTERM and SIGKILL.
         """
         if count < 0:
             raise GPUlayerError(f"ensure_local_workers needs a count of 0 or more, got {count}")
-        if self._embedded is None:
+        if self._embedded is not None:
+            workers = self._embedded.ensure_local_workers(count, slots=slots, kill_grace=kill_grace)
+            return [w.info for w in workers]
+        if self.url is None:
             raise GPUlayerError("this client is closed")
-        return [
-            w.info
-            for w in self._embedded.ensure_local_workers(count, slots=slots, kill_grace=kill_grace)
-        ]
+        return self._start_worker_processes(count, slots, kill_grace, worker_token or self._token)
+
+    def _start_worker_processes(
+        self, count: int, slots: int | None, kill_grace: float, token: str | None
+    ) -> list[WorkerInfo]:
+        import sys
+
+        names = {f"{socket.gethostname()}-local-{os.getpid()}-{i}" for i in range(count)}
+        mine = [w for w in self._transport.list_workers() if w.name in names]
+        for i in range(len(self._local_workers), count):
+            argv = [
+                sys.executable,
+                "-m",
+                "gpulayer.cli",
+                "--server",
+                str(self.url),
+                "worker",
+                "start",
+                "--name",
+                f"{socket.gethostname()}-local-{os.getpid()}-{i}",
+                "--kill-grace",
+                str(kill_grace),
+            ]
+            if slots is not None:
+                argv += ["--slots", str(slots)]
+            env = dict(os.environ)
+            if token:
+                env["GPULAYER_TOKEN"] = token
+            self._local_workers.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL))
+        # Wait until they have registered (each says so in the worker list).
+        deadline = time.monotonic() + 60
+        while len(mine) < count:
+            for proc in self._local_workers:
+                if proc.poll() is not None:
+                    raise WorkerError(
+                        f"a local worker exited with code {proc.returncode} before registering"
+                    )
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    f"only {len(mine)} of {count} local workers registered within 60 s"
+                )
+            time.sleep(0.05)  # start-up of other processes: nothing here can signal us
+            mine = [w for w in self._transport.list_workers() if w.name in names]
+        return mine
 
     # ---- jobs ----
 

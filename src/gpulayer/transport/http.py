@@ -325,8 +325,19 @@ class HttpTransport(Transport):
     def task_finished(self, result: TaskResult) -> None:
         self._post("/api/v1/tasks/finished", result)
 
+    def create_token(self, role: str, name: str | None = None) -> str:
+        made = self._call(
+            "POST", "/api/v1/tokens", _Token, body=_encode({"role": role, "name": name})
+        )
+        return made.token
+
     def close(self) -> None:
         self._drop()
+
+
+class _Token(msgspec.Struct):
+    token: str
+    role: str
 
 
 class _BlobList(msgspec.Struct):
