@@ -7,13 +7,16 @@ that ``import gpulayer`` never imports PyTorch.
 
 from .client import Client, Job
 from .errors import (
+    AccessDenied,
     ArtifactError,
     BundleError,
     GPUlayerError,
     InvalidStateError,
     JobNotFoundError,
+    ServerUnreachable,
     SpecError,
     StoreError,
+    TransportError,
     UnsafePathError,
     WaitTimeout,
     WorkerError,
@@ -24,6 +27,7 @@ from .spec import JobSpec
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccessDenied",
     "ArtifactError",
     "BundleError",
     "Client",
@@ -34,8 +38,10 @@ __all__ = [
     "JobNotFoundError",
     "JobSpec",
     "LogLine",
+    "ServerUnreachable",
     "SpecError",
     "StoreError",
+    "TransportError",
     "UnsafePathError",
     "WaitTimeout",
     "WorkerError",

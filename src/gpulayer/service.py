@@ -478,6 +478,11 @@ class ControlPlane:
         worker = self._workers.get(worker_id)
         if worker is None:
             raise InvalidStateError(f"worker {worker_id} is not registered with this control plane")
+        if not worker.connected:
+            # Known from before a restart: it must say what it still runs.
+            raise InvalidStateError(
+                f"worker {worker_id} is not registered with this control plane since it restarted"
+            )
         return worker
 
     def _drain(self, worker: _LiveWorker) -> list[Instruction]:

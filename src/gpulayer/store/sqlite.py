@@ -107,7 +107,7 @@ class _SqliteTransaction(Transaction):
         at: float,
     ) -> None:
         self.db.execute(
-            "UPDATE jobs SET state='running', worker=?, slots=?, gpus=?, attempt=?, reason=NULL, "
+            "UPDATE jobs SET state='running', worker=?, slots=?, gpus=?, attempt=?, "
             "exit_code=NULL, marks=json_set(marks, '$.placed', json(?)) WHERE id=?",
             # Numbers go in as JSON text: SQLite renders bound REALs with 15 digits.
             (worker, _encode(list(slots)), _encode(list(gpus)), attempt, _encode(at), job_id),

@@ -141,6 +141,9 @@ class Worker:
                         run.stop("cancelled")
 
     def _reregister(self) -> None:
+        # Results kept while the server was away go first: a task that ended
+        # meanwhile must be reported finished, not missing.
+        self._outbox.flush(timeout=defaults.RECONNECT_MAX_S)
         with self._tasks_lock:
             running = [run.key for run in self._tasks.values()]
         try:

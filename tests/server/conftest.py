@@ -1,0 +1,164 @@
+"""A real server process on a free port, and real worker processes, for server-mode tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+import gpulayer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProc:
+    home: Path
+    port: int
+    heartbeat_timeout: float = 30.0
+    proc: subprocess.Popen[str] | None = None
+    admin: str = ""
+    workers: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpulayer.cli",
+                "--home",
+                str(self.home),
+                "server",
+                "start",
+                "--port",
+                str(self.port),
+                "--heartbeat-timeout",
+                str(self.heartbeat_timeout),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while True:  # readiness: the health endpoint answers
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"server exited: {self.proc.stderr.read() if self.proc.stderr else ''}"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)  # waiting for another process to bind: nothing to block on
+        self.admin = (self.home / "admin-token").read_text().strip()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=30)
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe:
+                pipe.close()
+
+    def client(self, token: str | None = None) -> gpulayer.Client:
+        return gpulayer.Client(self.url, token=token or self.admin)
+
+    def token(self, role: str) -> str:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpulayer.cli",
+                "--server",
+                self.url,
+                "--token",
+                self.admin,
+                "token",
+                "create",
+                "--role",
+                role,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip()
+
+    def start_worker(
+        self, home: Path, *, slots: int = 1, name: str = "w", token: str | None = None
+    ) -> subprocess.Popen[str]:
+        env = {**os.environ, "GPULAYER_TOKEN": token or self.admin}
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpulayer.cli",
+                "--home",
+                str(home),
+                "--server",
+                self.url,
+                "worker",
+                "start",
+                "--slots",
+                str(slots),
+                "--name",
+                name,
+                "--kill-grace",
+                "0.5",
+            ],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.workers.append(proc)
+        assert proc.stderr is not None
+        line = proc.stderr.readline()  # "gpulayer: worker <id> (...) serving ..." once registered
+        assert "serving" in line, line
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.workers:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stderr:
+                proc.stderr.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerProc]:
+    srv = ServerProc(tmp_path / "server-home", free_port())
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

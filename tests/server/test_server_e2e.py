@@ -1,0 +1,203 @@
+"""Server mode end to end: a real server, real worker processes, loopback HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import gpulayer
+from server.conftest import ServerProc, free_port
+
+from helpers import PY, pids_alive
+
+
+def follow_until(job: gpulayer.Job, prefix: str) -> str:
+    for line in job.stream_logs():
+        if line.text.startswith(prefix):
+            return line.text
+    raise AssertionError(f"no line starting {prefix!r}: {job.logs()}")
+
+
+def request(
+    url: str, *, token: str | None = None, method: str = "GET", body: bytes | None = None
+) -> tuple[int, dict[str, object]]:
+    req = urllib.request.Request(url, data=body, method=method)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw else {}
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        e.close()
+        return e.code, json.loads(raw) if raw else {}
+
+
+def test_script_job_with_inputs_outputs_and_logs(
+    server: ServerProc, tmp_path: Path, project: Path
+) -> None:
+    server.start_worker(tmp_path / "w1")
+    data = tmp_path / "data.txt"
+    data.write_text("over http")
+    with server.client() as client:
+        job = client.submit(
+            project / "train.py", args=["net"], inputs={"data": data}, outputs=["out/result.json"]
+        )
+        assert job.wait(timeout=60) == "succeeded", job.info.reason
+        assert "hello net" in job.logs()
+        out = job.download_outputs(tmp_path / "dl")
+        assert json.loads((out / "out/result.json").read_text()) == {
+            "args": ["net"],
+            "data": "over http",
+        }
+        assert set(job.timings) >= {"dispatch", "prepare", "run", "finish"}
+
+
+def test_cancel_and_timeout_over_http(server: ServerProc, tmp_path: Path) -> None:
+    server.start_worker(tmp_path / "w1", slots=2)
+    code = (
+        "import subprocess, sys, time\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('child', c.pid, flush=True); time.sleep(60)\n"
+    )
+    with server.client() as client:
+        slow = client.submit(command=[PY, "-c", code])
+        timed = client.submit(command=[PY, "-c", "import time; time.sleep(60)"], timeout=0.5)
+        grandchild = int(follow_until(slow, "child").split()[1])
+        slow.cancel()
+        assert slow.wait(timeout=30) == "cancelled"
+        assert pids_alive(grandchild) == []
+        assert timed.wait(timeout=30) == "timed_out"
+
+
+def test_auth_rules(server: ServerProc) -> None:
+    jobs = f"{server.url}/api/v1/jobs"
+    assert request(jobs)[0] == 401
+    assert request(jobs, token="glt_u_not-a-real-token")[0] == 401
+    worker = server.token("worker")
+    user = server.token("user")
+    status, body = request(
+        jobs, token=worker, method="POST", body=b'{"spec": {"command": ["true"]}}'
+    )
+    assert status == 403 and "worker token cannot" in str(body["error"])
+    assert worker not in str(body)
+    assert request(jobs, token=user)[0] == 200
+    assert (
+        request(
+            f"{server.url}/api/v1/tokens", token=user, method="POST", body=b'{"role": "admin"}'
+        )[0]
+        == 403
+    )
+    assert request(f"{server.url}/healthz")[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "words"),
+    [
+        ("POST", "/api/v1/jobs", b"{not json", 400, "not valid JSON"),
+        ("POST", "/api/v1/jobs", b'{"spec": {"command": ["x"], "gpus": -1}}', 422, "gpus"),
+        ("POST", "/api/v1/jobs", b'{"spec": {"command": ["x"]}, "id": "short"}', 422, "id"),
+        ("GET", "/api/v1/jobs?limit=zero", None, 422, "limit"),
+        ("GET", "/api/v1/jobs?state=done", None, 422, "unknown state"),
+        ("GET", "/api/v1/jobs/nosuchjob", None, 404, "no job"),
+        ("POST", "/api/v1/jobs/nosuchjob/wait?timeout=-1", None, 404, "no job"),
+        ("GET", "/api/v1/blobs/xyz", None, 400, "digest"),
+        ("POST", "/api/v1/workers/nope/acquire", None, 409, "not registered"),
+        ("POST", "/api/v1/workers", b'{"worker": {"id": 3}}', 422, "worker"),
+    ],
+)
+def test_malformed_requests_get_4xx_naming_the_problem(
+    server: ServerProc, method: str, path: str, body: bytes | None, status: int, words: str
+) -> None:
+    got, data = request(f"{server.url}{path}", token=server.admin, method=method, body=body)
+    assert got == status, data
+    assert words in json.dumps(data)
+
+
+def test_metrics_and_openapi(server: ServerProc, tmp_path: Path) -> None:
+    server.start_worker(tmp_path / "w1")
+    with server.client() as client:
+        assert client.submit(command=[PY, "-c", "pass"]).wait(timeout=60) == "succeeded"
+    req = urllib.request.Request(
+        f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.admin}"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        text = r.read().decode()
+    assert 'gpulayer_jobs{state="succeeded"} 1.0' in text
+    assert "gpulayer_workers" in text and "gpulayer_dispatch_seconds_count 1.0" in text
+    status, doc = request(f"{server.url}/openapi.json")
+    assert status == 200 and "/api/v1/jobs" in doc["paths"]  # type: ignore[operator]
+
+
+def test_server_killed_mid_burst_loses_nothing_and_runs_nothing_twice(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    server.start_worker(tmp_path / "w1", slots=2)
+    code = f"import os, sys, time; open(os.path.join({str(marks)!r}, os.environ['GPULAYER_JOB_ID'] + '.' + os.environ['GPULAYER_ATTEMPT']), 'w').close(); time.sleep(0.3)"
+    with server.client() as client:
+        jobs = [client.submit(command=[PY, "-c", code]) for _ in range(12)]
+        server.kill(signal.SIGKILL)
+        server.proc = None
+        server.start()  # same home, same port
+        for job in jobs:
+            assert job.wait(timeout=120) == "succeeded", job.refresh()
+    ran = sorted(p.name for p in marks.iterdir())
+    assert sorted(f"{j.id}.1" for j in jobs) == ran, "every job ran exactly once"
+
+
+def test_worker_killed_mid_task_is_retried_elsewhere(tmp_path: Path) -> None:
+    srv = ServerProc(tmp_path / "home", free_port(), heartbeat_timeout=1.0)
+    srv.start()
+    try:
+        doomed = srv.start_worker(tmp_path / "w1", name="doomed")
+        with srv.client() as client:
+            job = client.submit(
+                command=[
+                    PY,
+                    "-c",
+                    "import os, time; print('on', os.getpid(), flush=True); time.sleep(60)",
+                ],
+                max_retries=1,
+            )
+            follow_until(job, "on")
+            lost = client.submit(command=[PY, "-c", "import time; time.sleep(60)"])
+            doomed.send_signal(signal.SIGKILL)
+            doomed.wait()
+            srv.start_worker(tmp_path / "w2", name="spare", slots=2)
+            # The retried job starts again on the spare worker.
+            for line in job.stream_logs():
+                if line.text.startswith("on") and job.refresh().attempt == 2:
+                    break
+            info = job.refresh()
+            assert (
+                info.attempt == 2
+                and info.state == "running"
+                and "stopped heartbeating" in (info.reason or "")
+            )
+            job.cancel()
+            assert job.wait(timeout=30) == "cancelled"
+            lost.cancel()
+    finally:
+        srv.stop()
+
+
+def test_refuses_non_loopback_without_auth(tmp_path: Path) -> None:
+    from gpulayer.errors import GPUlayerError
+    from gpulayer.http.server import Server
+
+    with pytest.raises(GPUlayerError, match="without auth"):
+        Server(tmp_path / "h", host="0.0.0.0", auth_enabled=False)
+
+
+def test_admin_token_file_is_private(server: ServerProc) -> None:
+    assert (server.home / "admin-token").stat().st_mode & 0o777 == 0o600
+    assert os.environ.get("GPULAYER_TOKEN") != server.admin
