@@ -8,6 +8,9 @@ import sys
 import gpulayer
 
 EXPECTED = {
+    "AccessDenied",
+    "ServerUnreachable",
+    "TransportError",
     "ArtifactError",
     "BundleError",
     "Client",
