@@ -301,3 +301,13 @@ def test_downloaded_outputs_are_private_copies(client: gpulayer.Client, tmp_path
     again = job.download_outputs(tmp_path / "dl2")
     assert (again / "ckpt" / "a.pt").stat().st_size == 2 << 20
     assert (again / "log.txt").read_text() == "x"
+
+
+def test_a_flood_of_output_is_kept_whole_and_in_order(client: gpulayer.Client) -> None:
+    n = 300_000
+    code = f"import sys\nfor i in range({n}): sys.stdout.write(f'{{i}}\\n')"
+    job = client.submit(command=[PY, "-c", code])
+    assert job.wait(timeout=120) == "succeeded"
+    texts = [line.text for line in job.stream_logs(follow=False)]
+    assert len(texts) == n and texts[0] == "0" and texts[-1] == str(n - 1)
+    assert texts == [str(i) for i in range(n)]

@@ -67,7 +67,7 @@ def test_gang_is_all_or_nothing() -> None:
 
 def test_explain_says_why() -> None:
     assert explain(Request("j", 0, 1), []) == "no workers are connected"
-    assert "free up" in explain(Request("j", 0, 1, gpus=1), [gpu("w", 2, set())])
+    assert "to be free on a worker" in explain(Request("j", 0, 1, gpus=1), [gpu("w", 2, set())])
 
 
 @st.composite

@@ -91,7 +91,7 @@ class BlockingSend:
 
 def test_sender_memory_is_bounded_and_drops_are_reported() -> None:
     send = BlockingSend()
-    sender = LogSender(send, interval=0.0, max_lines=100)
+    sender = LogSender(send, interval=0.0, max_lines=100, backpressure=0.1)
     task = sender.open("job", 1)
     task.add("stdout", "first")
     assert send.entered.wait(10)  # the sender is now stuck in the network
@@ -107,6 +107,26 @@ def test_sender_memory_is_bounded_and_drops_are_reported() -> None:
     assert texts[-1] == "[gpulayer] 900 lines dropped: output came faster than it could be shipped"
     seqs = [line.seq for batch in send.batches for line in batch]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+def test_a_full_buffer_waits_for_a_slow_but_working_sender() -> None:
+    delivered: list[int] = []
+    gate = threading.Semaphore(0)
+
+    def slow(job_id: str, attempt: int, lines: list[LogLine]) -> None:
+        gate.acquire()
+        delivered.extend(line.seq for line in lines)
+
+    sender = LogSender(slow, interval=0.0, max_lines=10, backpressure=30)
+    task = sender.open("job", 1)
+    release = threading.Thread(target=lambda: [gate.release() for _ in range(1000)])
+    release.start()
+    for i in range(200):  # far more than the buffer holds: the adder is held back
+        task.add("stdout", str(i))
+    release.join()
+    sender.close_task(task)
+    sender.stop()
+    assert delivered == list(range(1, 201)), "a working sender loses nothing"
 
 
 def test_sender_batches_lines_into_few_sends() -> None:

@@ -240,7 +240,7 @@ def run(
     total = info.timings().get("total")
     took = f" in {total:.2f} s" if total is not None else ""
     click.echo(f"gpulayer: job {job.id} {state}{took}", err=True)
-    if info.reason and state != "succeeded":
+    if info.reason:  # why it failed; for a success, e.g. a declared output that is missing
         click.echo(f"gpulayer: {info.reason.splitlines()[0]}", err=True)
     if download and info.outputs:
         click.echo(f"gpulayer: outputs in {job.download_outputs()}", err=True)

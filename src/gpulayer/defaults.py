@@ -23,9 +23,14 @@ ACQUIRE_TIMEOUT_S = 30.0
 # The log sender batches lines for this long, so a chatty job costs one write
 # per quarter second instead of one per line, and never waits on the network.
 LOG_BATCH_INTERVAL_S = 0.25
-# Lines waiting to be sent, per worker; beyond this the oldest unsent lines are
-# dropped (and the drop is reported in the log) so memory stays bounded.
+# Lines waiting to be sent, per task. At half of this the sender goes at once
+# instead of waiting out the interval; beyond it (the control plane cannot
+# keep up) the oldest unsent lines are dropped and the drop is reported in the
+# log, so memory stays bounded.
 LOG_BUFFER_MAX_LINES = 50_000
+# How long a full buffer holds a job's output back while the control plane
+# is answering but behind, before lines are dropped after all.
+LOG_BACKPRESSURE_MAX_S = 5.0
 # A single line longer than this is cut (a job printing a 1 GB line must not
 # take 1 GB of the worker's memory).
 LOG_LINE_MAX_BYTES = 64 * 1024

@@ -86,13 +86,15 @@ def place(requests: Iterable[Request], capacities: Sequence[Capacity]) -> list[A
         open_workers = [w for w in caps if w not in reserved and free[w]]
         if not open_workers:
             break  # every worker is full or held for an earlier job
-        fits: list[tuple[int, str, tuple[int, ...]]] = []
+        fits: list[tuple[bool, int, str, tuple[int, ...]]] = []
         for worker_id in open_workers:
             slots = _pick_slots(caps[worker_id], free[worker_id], req.gpus)
             if slots is not None:
-                fits.append((len(free[worker_id]), worker_id, slots))
+                # A CPU job takes a GPU slot only where no CPU slot is free.
+                on_gpu = not req.gpus and caps[worker_id].slot_gpus[slots[0]] is not None
+                fits.append((on_gpu, len(free[worker_id]), worker_id, slots))
         if len(fits) >= req.nodes:
-            for _, worker_id, slots in sorted(fits)[: req.nodes]:
+            for _, _, worker_id, slots in sorted(fits)[: req.nodes]:
                 free[worker_id].difference_update(slots)
                 gpus = tuple(g for s in slots if (g := caps[worker_id].slot_gpus[s]) is not None)
                 result.append(Assignment(req.job_id, worker_id, slots, gpus if req.gpus else ()))
@@ -114,6 +116,9 @@ def explain(req: Request, capacities: Sequence[Capacity]) -> str:
     if len(able) < req.nodes:
         most = max(c.total_gpus for c in capacities)
         if req.nodes > 1:
-            return f"needs {req.nodes} workers with {unit} each; only {len(able)} have that many"
+            return f"needs {req.nodes} workers with {unit} each; only {len(able)} can hold that"
         return f"needs {unit} but no worker has that many (largest has {most} GPUs)"
-    return f"waiting for {unit} to free up on {'a worker' if req.nodes == 1 else f'{req.nodes} workers'}"
+    where = "a worker" if req.nodes == 1 else f"{req.nodes} workers"
+    if req.gpus:
+        return f"waiting for {unit} to be free on {where} (all busy, or held for an earlier job)"
+    return f"waiting for a slot to be free on {where} (all busy, or held for an earlier job)"

@@ -60,6 +60,7 @@ class _Running:
     gpus: tuple[int, ...]
     marks: dict[str, float]  # submitted, placed
     cancel_requested: bool = False
+    started: bool = False  # its worker reported the process started
 
 
 class _Done:
@@ -247,6 +248,10 @@ class ControlPlane:
                         marks={"finished": now},
                         outputs={},
                     )
+                    # It may have held a worker for itself: others may fit now.
+                    assignments = self._plan()
+                    self._record(tx, assignments, now)
+                self._dispatch(assignments, now)
                 self._signal_done(job_id)
             elif job_id in self._running:
                 run = self._running[job_id]
@@ -278,14 +283,19 @@ class ControlPlane:
         """Lines after ``after``; with ``timeout``, wait that long for some."""
         deadline = time.monotonic() + timeout
         while True:
-            chunk = self.logs_after(job_id, after)
-            left = deadline - time.monotonic()
-            if chunk.lines or chunk.done or left <= 0:
-                return chunk
-            with self._lock:
-                ours = job_id in self._queue or job_id in self._running
-                signal = self._logs.setdefault(job_id, Signal())
-                wait_on(self._lock, signal, left if ours else min(left, defaults.FOLLOW_RECHECK_S))
+            # Subscribe before looking, so a line appended in between still wakes us.
+            grown = threading.Event()
+            unsubscribe = self.watch_logs(job_id, grown.set)
+            try:
+                chunk = self.logs_after(job_id, after)
+                left = deadline - time.monotonic()
+                if chunk.lines or chunk.done or left <= 0:
+                    return chunk
+                with self._lock:
+                    ours = job_id in self._queue or job_id in self._running
+                grown.wait(left if ours else min(left, defaults.FOLLOW_RECHECK_S))
+            finally:
+                self.unsubscribe(unsubscribe)
 
     def logs_after(self, job_id: str, after: tuple[int, int]) -> LogChunk:
         job = self.store.get_job(job_id)
@@ -396,7 +406,12 @@ class ControlPlane:
                     worker.inbox.append(CancelTask(job_id=job_id, attempt=attempt))
             with self.store.transaction() as tx:
                 for job_id, run in lost.items():
-                    self._end_lost(tx, run, job_id, "its worker came back without it", now)
+                    if run.started:
+                        self._end_lost(tx, run, job_id, "its worker came back without it", now)
+                    else:  # placed, but it never reached the worker: not an attempt
+                        run.attempt -= 1
+                        self._requeue(job_id, run)
+                        tx.requeue(job_id, reason=None, owner=self.instance_id)
                 tx.upsert_worker(info)
                 assignments = self._plan()
                 self._record(tx, assignments, now)
@@ -495,6 +510,7 @@ class ControlPlane:
             run = self._running.get(report.job_id)
             if run is None or run.attempt != report.attempt or run.worker_id != report.worker_id:
                 return  # a stale report from an attempt that already ended
+            run.started = True
             with self.store.transaction() as tx:
                 tx.start(
                     report.job_id,
@@ -533,7 +549,7 @@ class ControlPlane:
                 attempt=run.attempt,
                 max_retries=run.spec.max_retries,
             )
-            reason = jobs.describe_failure(result)
+            reason = "cancelled" if state == jobs.CANCELLED else jobs.describe_failure(result)
             marks = dict(result.marks)
             marks["finished"] = now
             self._release(result.job_id)
@@ -671,6 +687,7 @@ class ControlPlane:
                 job.seq,
                 tuple(job.gpus),
                 {k: v for k, v in job.marks.items() if k in ("submitted", "placed")},
+                started="started" in job.marks,
             )
         for info in known.values():
             if info.id not in self._workers:

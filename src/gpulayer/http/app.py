@@ -30,7 +30,7 @@ from ..errors import (
     JobNotFoundError,
     SpecError,
 )
-from ..jobs import STATES, Instruction, LogLine, TaskResult, TaskStarted, WorkerInfo
+from ..jobs import STATES, Instruction, LogChunk, LogLine, TaskResult, TaskStarted, WorkerInfo
 from ..service import ControlPlane
 from ..signals import Unsubscribe
 from . import auth
@@ -209,10 +209,21 @@ class Api:
         after = (_query_int(request, "attempt", 0), _query_int(request, "seq", 0))
         timeout = _query_float(request, "timeout", 0.0)
         chunk = self.plane.logs_after(job_id, after)
-        if not chunk.lines and not chunk.done and timeout > 0:
-            await until_signal(self.plane, lambda cb: self.plane.watch_logs(job_id, cb), timeout)
-            chunk = self.plane.logs_after(job_id, after)
-        return _json(chunk)
+        if chunk.lines or chunk.done or timeout <= 0:
+            return _json(chunk)
+        found: list[LogChunk] = []
+
+        def subscribe(callback: Callable[[], None]) -> Unsubscribe | None:
+            unsubscribe = self.plane.watch_logs(job_id, callback)
+            again = self.plane.logs_after(job_id, after)  # lines that came before we subscribed
+            if again.lines or again.done:
+                self.plane.unsubscribe(unsubscribe)
+                found.append(again)
+                return None
+            return unsubscribe
+
+        await until_signal(self.plane, subscribe, timeout)
+        return _json(found[0] if found else self.plane.logs_after(job_id, after))
 
     async def list_workers(self, request: Request) -> Response:
         return _json(self.plane.list_workers())

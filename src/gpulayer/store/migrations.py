@@ -41,14 +41,17 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         CREATE INDEX jobs_active_by_owner ON jobs (owner) WHERE state IN ('queued', 'running')
         """,
         """
-        CREATE TABLE logs (
+        -- Logs are kept in the batches workers send them in (one row per
+        -- batch, lines encoded together): a job printing a million lines
+        -- costs a few dozen rows, not a million. A batch re-sent with more
+        -- lines after a lost reply replaces the first (same first_seq).
+        CREATE TABLE log_batches (
         job_id TEXT NOT NULL,
         attempt INTEGER NOT NULL,
-        seq INTEGER NOT NULL,
-        ts REAL NOT NULL,
-        stream TEXT NOT NULL,
-        text TEXT NOT NULL,
-        PRIMARY KEY (job_id, attempt, seq)
+        first_seq INTEGER NOT NULL,
+        last_seq INTEGER NOT NULL,
+        lines BLOB NOT NULL,
+        PRIMARY KEY (job_id, attempt, first_seq)
         ) WITHOUT ROWID
         """,
         """

@@ -27,6 +27,7 @@ _decode_spec = msgspec.json.Decoder(JobSpec).decode
 _decode_marks = msgspec.json.Decoder(dict[str, float]).decode
 _decode_ints = msgspec.json.Decoder(list[int]).decode
 _decode_worker = msgspec.json.Decoder(WorkerInfo).decode
+_decode_lines = msgspec.json.Decoder(list[LogLine]).decode
 
 _JOB_COLUMNS = (
     "id, seq, state, spec, attempt, owner, worker, slots, gpus, exit_code, reason, "
@@ -298,22 +299,32 @@ class SqliteStore(Store):
             return int(self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0])
 
     def append_logs(self, job_id: str, attempt: int, lines: Sequence[LogLine]) -> None:
+        if not lines:
+            return
         with self._lock:
-            self._db.executemany(
-                "INSERT OR IGNORE INTO logs (job_id, attempt, seq, ts, stream, text) VALUES (?,?,?,?,?,?)",
-                [(job_id, attempt, ln.seq, ln.ts, ln.stream, ln.text) for ln in lines],
+            self._db.execute(
+                "INSERT OR REPLACE INTO log_batches (job_id, attempt, first_seq, last_seq, lines) "
+                "VALUES (?,?,?,?,?)",
+                (job_id, attempt, lines[0].seq, lines[-1].seq, _encode(lines)),
             )
 
     def read_logs(
         self, job_id: str, after: tuple[int, int] = (0, 0), limit: int = 10_000
     ) -> list[tuple[int, LogLine]]:
+        found: list[tuple[int, LogLine]] = []
         with self._lock:
-            rows = self._db.execute(
-                "SELECT attempt, seq, ts, stream, text FROM logs WHERE job_id=? AND (attempt, seq) > (?, ?) "
-                "ORDER BY attempt, seq LIMIT ?",
-                (job_id, after[0], after[1], limit),
-            ).fetchall()
-        return [(a, LogLine(seq=s, ts=t, stream=st, text=tx)) for a, s, t, st, tx in rows]
+            cursor = self._db.execute(
+                "SELECT attempt, lines FROM log_batches WHERE job_id=? AND (attempt, last_seq) > (?, ?) "
+                "ORDER BY attempt, first_seq",
+                (job_id, after[0], after[1]),
+            )
+            for attempt, blob in cursor:
+                for line in _decode_lines(blob):
+                    if (attempt, line.seq) > after:
+                        found.append((attempt, line))
+                if len(found) >= limit:
+                    break
+        return found[:limit]
 
     def list_workers(self) -> list[WorkerInfo]:
         with self._lock:

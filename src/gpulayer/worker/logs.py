@@ -2,11 +2,14 @@
 
 Reader threads hand each line to a :class:`TaskLog`; one :class:`LogSender`
 thread per worker collects lines for :data:`~gpulayer.defaults.LOG_BATCH_INTERVAL_S`
-after the first arrives, then sends every task's batch in one call each. A
-task's last lines are flushed synchronously when it ends, so a client that
-wakes on the job's end sees all of its output. Each task buffers at most
-``max_lines`` unsent lines: past that the oldest are dropped and a system
-line says how many, so a job that floods output cannot exhaust memory.
+after the first arrives (sooner when a buffer is half full), then sends every
+task's batch in one call each. A task's last lines are flushed synchronously
+when it ends, so a client that wakes on the job's end sees all of its
+output. Each task buffers at most ``max_lines`` unsent lines. When a buffer
+is full and the control plane answers, the reader waits briefly for room
+(the job blocks on its pipe: nothing is lost); when it does not answer, the
+oldest lines are dropped and a system line says how many, so a job never
+waits on a network that is down and cannot exhaust memory.
 """
 
 from __future__ import annotations
@@ -39,12 +42,27 @@ class TaskLog:
         sender = self.sender
         with sender.cond:
             self.seq += 1
+            if len(self.pending) >= sender.max_lines and sender.healthy:
+                # The control plane is reachable but behind: hold the job's
+                # output (it blocks on its pipe) rather than lose lines, for a
+                # bounded time. A sender that cannot deliver gets no wait.
+                sender.urgent = True
+                sender.cond.notify_all()
+                if not sender.cond.wait_for(
+                    lambda: len(self.pending) < sender.max_lines or not sender.healthy,
+                    timeout=sender.backpressure,
+                ):
+                    sender.healthy = False  # stalled: drop until a delivery succeeds
             if len(self.pending) >= sender.max_lines:
                 self.pending.popleft()
                 self.dropped += 1
             self.pending.append(LogLine(self.seq, time.time(), stream, text))  # type: ignore[arg-type]
             if not sender.dirty:
                 sender.dirty = True
+                sender.cond.notify()
+            elif len(self.pending) == sender.max_lines // 2 and not sender.urgent:
+                # Half full before the interval is up: send now rather than drop.
+                sender.urgent = True
                 sender.cond.notify()
 
     def flush(self) -> None:
@@ -70,12 +88,16 @@ class LogSender:
         *,
         interval: float = defaults.LOG_BATCH_INTERVAL_S,
         max_lines: int = defaults.LOG_BUFFER_MAX_LINES,
+        backpressure: float = defaults.LOG_BACKPRESSURE_MAX_S,
     ) -> None:
         self._send = send
         self.interval = interval
         self.max_lines = max_lines
+        self.backpressure = backpressure
         self.cond = threading.Condition()
         self.dirty = False
+        self.urgent = False  # a buffer is filling: do not wait out the interval
+        self.healthy = True  # the last delivery succeeded
         self._tasks: set[TaskLog] = set()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="gpulayer-log-sender", daemon=True)
@@ -96,12 +118,14 @@ class LogSender:
         with task._send_lock:
             with self.cond:
                 lines = task.take()
+                self.cond.notify_all()  # room again for a reader held back
             if lines:
                 self._deliver(task, lines)
 
     def _deliver(self, task: TaskLog, lines: list[LogLine]) -> None:
         try:
             self._send(task.job_id, task.attempt, lines)
+            self.healthy = True
         except Exception:
             # Keep the lines (within the bound) for the next batch.
             log.warning(
@@ -111,8 +135,10 @@ class LogSender:
                 exc_info=True,
             )
             with self.cond:
+                self.healthy = False
                 task.pending.extendleft(reversed(lines[-self.max_lines :]))
                 self.dirty = True
+                self.cond.notify_all()
 
     def _run(self) -> None:
         while True:
@@ -123,8 +149,8 @@ class LogSender:
                     return
             # Let a batch build up: one send per interval, not one per line.
             with self.cond:
-                self.cond.wait_for(lambda: self._stopped, timeout=self.interval)
-                self.dirty = False
+                self.cond.wait_for(lambda: self._stopped or self.urgent, timeout=self.interval)
+                self.dirty = self.urgent = False
                 tasks = list(self._tasks)
             for task in tasks:
                 self.send_task(task)

@@ -60,7 +60,7 @@ class Worker:
         vendors = {g.vendor for g in self.gpus}
         if len(vendors) > 1:
             raise WorkerError(
-                "a worker drives one GPU vendor; start one worker per vendor with --gpus"
+                "a worker drives one GPU vendor; start one worker per vendor (pass gpus= to Worker)"
             )
         self.vendor = vendors.pop() if vendors else None
         if self.gpus and slots is not None and slots != len(self.gpus):
