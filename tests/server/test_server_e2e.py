@@ -201,3 +201,29 @@ def test_refuses_non_loopback_without_auth(tmp_path: Path) -> None:
 def test_admin_token_file_is_private(server: ServerProc) -> None:
     assert (server.home / "admin-token").stat().st_mode & 0o777 == 0o600
     assert os.environ.get("GPULAYER_TOKEN") != server.admin
+
+
+def test_a_worker_cut_off_delivers_its_results_afterwards(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    gate, done = tmp_path / "gate", tmp_path / "done"
+    os.mkfifo(gate)
+    os.mkfifo(done)
+    server.start_worker(tmp_path / "w1")
+    code = (
+        f"print('before', flush=True); open({str(gate)!r}).read()\n"
+        f"print('during the outage', flush=True)\n"
+        f"open({str(done)!r}, 'w').write('x')\n"
+    )
+    with server.client() as client:
+        job = client.submit(command=[PY, "-c", code])
+        follow_until(job, "before")
+        server.kill(signal.SIGKILL)  # the worker is cut off
+        with open(gate, "w") as g:
+            g.write("go")
+        with open(done) as d:  # the job has finished while nobody listened
+            assert d.read() == "x"
+        server.proc = None
+        server.start()
+        assert job.wait(timeout=60) == "succeeded"
+        assert job.logs() == "before\nduring the outage\n"

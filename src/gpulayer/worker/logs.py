@@ -36,6 +36,7 @@ class TaskLog:
         self.pending: deque[LogLine] = deque()
         self.seq = 0
         self.dropped = 0
+        self.closed = False
         self._send_lock = threading.Lock()  # one batch of this task in flight at a time
 
     def add(self, stream: str, text: str) -> None:
@@ -110,9 +111,13 @@ class LogSender:
         return task
 
     def close_task(self, task: TaskLog) -> None:
+        """The task ended: send what is left. Lines that cannot go now stay
+        queued (the task stays known) until a later batch delivers them."""
         self.send_task(task)
         with self.cond:
-            self._tasks.discard(task)
+            task.closed = True
+            if not task.pending:
+                self._tasks.discard(task)
 
     def send_task(self, task: TaskLog) -> None:
         with task._send_lock:
@@ -154,6 +159,9 @@ class LogSender:
                 tasks = list(self._tasks)
             for task in tasks:
                 self.send_task(task)
+                with self.cond:
+                    if task.closed and not task.pending:
+                        self._tasks.discard(task)
 
     def stop(self) -> None:
         with self.cond:
