@@ -209,7 +209,7 @@ def test_a_worker_cut_off_delivers_its_results_afterwards(
     gate, done = tmp_path / "gate", tmp_path / "done"
     os.mkfifo(gate)
     os.mkfifo(done)
-    server.start_worker(tmp_path / "w1")
+    worker = server.start_worker(tmp_path / "w1")
     code = (
         f"print('before', flush=True); open({str(gate)!r}).read()\n"
         f"print('during the outage', flush=True)\n"
@@ -223,6 +223,10 @@ def test_a_worker_cut_off_delivers_its_results_afterwards(
             g.write("go")
         with open(done) as d:  # the job has finished while nobody listened
             assert d.read() == "x"
+        assert worker.stderr is not None
+        for line in worker.stderr:  # the worker gave up sending for now and kept its result
+            if "keeping a report to deliver later" in line:
+                break
         server.proc = None
         server.start()
         assert job.wait(timeout=60) == "succeeded"

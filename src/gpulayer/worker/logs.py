@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .. import defaults
+from ..errors import ServerUnreachable
 from ..jobs import LogLine
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,23 @@ class LogSender:
             if not task.pending:
                 self._tasks.discard(task)
 
+    def deliver_rest(self, task: TaskLog) -> None:
+        """Send a closed task's remaining lines or raise (for the worker's outbox,
+        which retries it in order, before the task's result)."""
+        with task._send_lock:
+            with self.cond:
+                lines = task.take()
+            if lines:
+                try:
+                    self._send(task.job_id, task.attempt, lines)
+                except Exception:
+                    with self.cond:
+                        task.pending.extendleft(reversed(lines[-self.max_lines :]))
+                    raise
+        with self.cond:
+            if not task.pending:
+                self._tasks.discard(task)
+
     def send_task(self, task: TaskLog) -> None:
         with task._send_lock:
             with self.cond:
@@ -131,14 +149,17 @@ class LogSender:
         try:
             self._send(task.job_id, task.attempt, lines)
             self.healthy = True
-        except Exception:
-            # Keep the lines (within the bound) for the next batch.
-            log.warning(
-                "could not send %d log lines of job %s; will retry",
-                len(lines),
-                task.job_id,
-                exc_info=True,
-            )
+        except Exception as exc:
+            # Keep the lines (within the bound) for the next batch; say so
+            # once per outage, not at every retry.
+            if self.healthy:
+                log.warning(
+                    "could not send %d log lines of job %s (%s); keeping them to send later",
+                    len(lines),
+                    task.job_id,
+                    exc,
+                    exc_info=not isinstance(exc, ServerUnreachable),
+                )
             with self.cond:
                 self.healthy = False
                 task.pending.extendleft(reversed(lines[-self.max_lines :]))

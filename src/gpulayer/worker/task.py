@@ -143,7 +143,10 @@ class TaskRun:
         if self._terminator is not None:
             # Report "cancelled" only once the whole tree is gone.
             self._terminator.join()
-        self.logs.close_task(self._tasklog)
+        tasklog = self._tasklog
+        self.logs.close_task(tasklog)
+        if tasklog.pending:  # the server is away: its last lines go before its result
+            self.report(lambda: self.logs.deliver_rest(tasklog))
         try:
             self.report(lambda: self.transport.task_finished(result))
         finally:
