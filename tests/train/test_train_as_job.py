@@ -1,0 +1,30 @@
+"""The example training script run as a GPUlayer job (embedded), outputs kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import gpulayer
+
+pytestmark = pytest.mark.torch
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "train_mlp" / "train.py"
+
+
+def test_the_training_example_runs_as_a_job(home: Path, tmp_path: Path) -> None:
+    with gpulayer.Client(home=home) as client:
+        client.ensure_local_workers(1)
+        job = client.submit(
+            EXAMPLE, args=["--epochs", "2", "--samples", "512"], outputs=["gpulayer_runs"]
+        )
+        assert job.wait(timeout=300) == "succeeded", job.info.reason
+        out = job.download_outputs(tmp_path / "out")
+    summaries = list(out.rglob("summary.json"))
+    assert len(summaries) == 1, sorted(p.relative_to(out) for p in out.rglob("*"))
+    summary = json.loads(summaries[0].read_text())
+    assert summary, "the run wrote a summary"
+    assert list(out.rglob("*.ckpt")), "checkpoints came back as outputs"
+    assert "gpulayer_runs" in job.info.outputs
