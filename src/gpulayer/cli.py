@@ -464,6 +464,11 @@ def worker() -> None:
 @click.option("--name", help="A name for this worker (default: host-pid).")
 @click.option("--cache", type=click.Path(file_okay=False), help="Where fetched blobs are cached.")
 @click.option(
+    "--advertise",
+    metavar="ADDR",
+    help="Address other machines reach this worker at (default: the one it reaches the server from).",
+)
+@click.option(
     "--kill-grace",
     type=float,
     default=10.0,
@@ -472,7 +477,12 @@ def worker() -> None:
 )
 @click.pass_context
 def worker_start(
-    ctx: click.Context, slots: int | None, name: str | None, cache: str | None, kill_grace: float
+    ctx: click.Context,
+    slots: int | None,
+    name: str | None,
+    cache: str | None,
+    advertise: str | None,
+    kill_grace: float,
 ) -> None:
     """Offer this machine's slots to a server until stopped (SIGTERM or Ctrl-C)."""
     import signal
@@ -497,6 +507,7 @@ def worker_start(
         slots=slots,
         kill_grace=kill_grace,
         heartbeat_interval=defaults.HEARTBEAT_INTERVAL_S,
+        address=advertise or transport.local_address(),
     )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

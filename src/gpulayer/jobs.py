@@ -72,6 +72,9 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     slot_gpus: list[int | None]
     gpu_vendor: Literal["nvidia", "amd"] | None = None
     gpu_names: list[str] = []
+    # Where other machines reach this worker (node 0's is a distributed job's
+    # MASTER_ADDR): the address it reaches the server from, unless overridden.
+    address: str | None = None
     instance: str | None = None
     started: float = 0.0
     last_seen: float = 0.0

@@ -231,3 +231,12 @@ def test_a_worker_cut_off_delivers_its_results_afterwards(
         server.start()
         assert job.wait(timeout=60) == "succeeded"
         assert job.logs() == "before\nduring the outage\n"
+
+
+def test_workers_advertise_the_address_they_reach_the_server_from(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    server.start_worker(tmp_path / "w1", name="adv")
+    with server.client() as client:
+        (info,) = [w for w in client.workers() if w.name == "adv"]
+    assert info.address == "127.0.0.1"

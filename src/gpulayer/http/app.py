@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -66,14 +68,65 @@ def _error(status: int, message: str) -> Response:
     return _json({"error": message}, status)
 
 
+_LONG_DIGITS = re.compile(rb"\d{19}")  # a JSON number this long may not fit in 64 bits
+_INT64 = (-(2**63), 2**63 - 1)
+
+
 async def _body(request: Request, kind: type[T]) -> T:
     raw = await request.body()
     try:
-        return msgspec.json.decode(raw, type=kind, strict=True)
+        body = msgspec.json.decode(raw, type=kind, strict=True)
     except msgspec.ValidationError as exc:
-        raise ApiError(422, f"invalid request body: {exc}") from None
+        body = _with_whole_floats(raw, kind, exc)
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    if _LONG_DIGITS.search(raw):  # rare: look for integers the store cannot hold
+        where = _too_big(body, "$")
+        if where is not None:
+            raise ApiError(
+                422, f"invalid request body: integer out of range (64 bits at most) - at `{where}`"
+            )
+    return body
+
+
+def _with_whole_floats(raw: bytes, kind: type[T], exc: msgspec.ValidationError) -> T:
+    """Decode again taking ``2.0`` for the integer 2, as JSON Schema does; else a 422."""
+    if "got `float`" in str(exc):
+        data = _ints_for_whole_floats(msgspec.json.decode(raw))
+        try:
+            return msgspec.json.decode(_encoder.encode(data), type=kind, strict=True)
+        except msgspec.ValidationError as again:
+            exc = again
+    raise ApiError(422, f"invalid request body: {exc}") from None
+
+
+def _ints_for_whole_floats(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _ints_for_whole_floats(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_ints_for_whole_floats(item) for item in value]
+    return value
+
+
+def _too_big(value: Any, path: str) -> str | None:
+    """Where in a decoded body an integer outside 64 bits is, or None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None if _INT64[0] <= value <= _INT64[1] else path
+    if isinstance(value, msgspec.Struct):
+        items = [(f"{path}.{name}", getattr(value, name)) for name in value.__struct_fields__]
+    elif isinstance(value, dict):
+        items = [(f"{path}.{key}", item) for key, item in value.items()]
+    elif isinstance(value, list | tuple):
+        items = [(f"{path}[{index}]", item) for index, item in enumerate(value)]
+    else:
+        return None
+    for where, item in items:
+        found = _too_big(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 def _query_float(request: Request, name: str, default: float, *, high: float = MAX_POLL_S) -> float:
@@ -330,6 +383,30 @@ class Api:
         return JSONResponse(document())
 
 
+def _route(path: str, handlers: dict[str, Handler]) -> Route:
+    """One route per path, so that a 405 names every method of the path in ``Allow``."""
+
+    async def dispatch(request: Request) -> Response:
+        return await handlers["GET" if request.method == "HEAD" else request.method](request)
+
+    return Route(path, dispatch, methods=list(handlers))
+
+
+async def _routing_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 (no such path) and 405 (no such method), as JSON errors."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow", "")
+        message = f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+    elif exc.status_code == 404:
+        message = f"no endpoint at {request.url.path}"
+    else:
+        message = str(exc.detail)
+    response = _json({"error": message}, exc.status_code)
+    response.headers.update(exc.headers or {})
+    return response
+
+
 def create_app(
     plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: bool = True
 ) -> Starlette:
@@ -337,30 +414,36 @@ def create_app(
     user, worker, both = (auth.USER,), (auth.WORKER,), (auth.USER, auth.WORKER)
     g = api.guard
     v1 = "/api/v1"
-    routes = [
-        Route("/healthz", g(None, api.health), methods=["GET"]),
-        Route("/openapi.json", g(None, api.openapi), methods=["GET"]),
-        Route("/metrics", g(user, api.metrics_text), methods=["GET"]),
-        Route(f"{v1}/jobs", g(user, api.submit), methods=["POST"]),
-        Route(f"{v1}/jobs", g(user, api.list_jobs), methods=["GET"]),
-        Route(f"{v1}/jobs/{{job_id}}", g(user, api.get_job), methods=["GET"]),
-        Route(f"{v1}/jobs/{{job_id}}/wait", g(user, api.wait_job), methods=["POST"]),
-        Route(f"{v1}/jobs/{{job_id}}/cancel", g(user, api.cancel_job), methods=["POST"]),
-        Route(f"{v1}/jobs/{{job_id}}/logs", g(user, api.job_logs), methods=["GET"]),
-        Route(f"{v1}/workers", g(user, api.list_workers), methods=["GET"]),
-        Route(f"{v1}/workers", g(worker, api.register), methods=["POST"]),
-        Route(f"{v1}/workers/{{worker_id}}", g(worker, api.unregister), methods=["DELETE"]),
-        Route(f"{v1}/workers/{{worker_id}}/heartbeat", g(worker, api.heartbeat), methods=["POST"]),
-        Route(f"{v1}/workers/{{worker_id}}/acquire", g(worker, api.acquire), methods=["POST"]),
-        Route(f"{v1}/tasks/started", g(worker, api.task_started), methods=["POST"]),
-        Route(f"{v1}/tasks/logs", g(worker, api.task_logs), methods=["POST"]),
-        Route(f"{v1}/tasks/finished", g(worker, api.task_finished), methods=["POST"]),
-        Route(f"{v1}/blobs/missing", g(both, api.missing_blobs), methods=["POST"]),
-        Route(f"{v1}/blobs/{{digest:str}}", g(both, api.put_blob), methods=["PUT"]),
-        Route(f"{v1}/blobs/{{digest:str}}", g(both, api.get_blob), methods=["GET"]),
-        Route(f"{v1}/tokens", g((), api.create_token), methods=["POST"]),
+    endpoints = [
+        ("GET", "/healthz", g(None, api.health)),
+        ("GET", "/openapi.json", g(None, api.openapi)),
+        ("GET", "/metrics", g(user, api.metrics_text)),
+        ("POST", f"{v1}/jobs", g(user, api.submit)),
+        ("GET", f"{v1}/jobs", g(user, api.list_jobs)),
+        ("GET", f"{v1}/jobs/{{job_id}}", g(user, api.get_job)),
+        ("POST", f"{v1}/jobs/{{job_id}}/wait", g(user, api.wait_job)),
+        ("POST", f"{v1}/jobs/{{job_id}}/cancel", g(user, api.cancel_job)),
+        ("GET", f"{v1}/jobs/{{job_id}}/logs", g(user, api.job_logs)),
+        ("GET", f"{v1}/workers", g(user, api.list_workers)),
+        ("POST", f"{v1}/workers", g(worker, api.register)),
+        ("DELETE", f"{v1}/workers/{{worker_id}}", g(worker, api.unregister)),
+        ("POST", f"{v1}/workers/{{worker_id}}/heartbeat", g(worker, api.heartbeat)),
+        ("POST", f"{v1}/workers/{{worker_id}}/acquire", g(worker, api.acquire)),
+        ("POST", f"{v1}/tasks/started", g(worker, api.task_started)),
+        ("POST", f"{v1}/tasks/logs", g(worker, api.task_logs)),
+        ("POST", f"{v1}/tasks/finished", g(worker, api.task_finished)),
+        ("POST", f"{v1}/blobs/missing", g(both, api.missing_blobs)),
+        ("PUT", f"{v1}/blobs/{{digest:str}}", g(both, api.put_blob)),
+        ("GET", f"{v1}/blobs/{{digest:str}}", g(both, api.get_blob)),
+        ("POST", f"{v1}/tokens", g((), api.create_token)),
     ]
-    app = Starlette(routes=routes)
+    by_path: dict[str, dict[str, Handler]] = {}
+    for method, path, handler in endpoints:
+        by_path.setdefault(path, {})[method] = handler
+    app = Starlette(
+        routes=[_route(path, handlers) for path, handlers in by_path.items()],
+        exception_handlers={HTTPException: _routing_error},
+    )
     app.state.api = api
     return app
 

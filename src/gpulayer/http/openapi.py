@@ -9,7 +9,8 @@ from typing import Any
 import msgspec
 
 from .. import __version__
-from ..jobs import Instruction, JobInfo, LogChunk, TaskResult, TaskStarted, WorkerInfo
+from ..jobs import STATES, Instruction, JobInfo, LogChunk, TaskResult, TaskStarted, WorkerInfo
+from ..spec import Digest
 from .schemas import (
     BlobList,
     HeartbeatRequest,
@@ -20,8 +21,14 @@ from .schemas import (
     TokenResponse,
 )
 
+# What the handlers accept (app.py: _query_float, _query_int, _body; artifacts: digests).
+INT64 = {"minimum": -(2**63), "maximum": 2**63 - 1}  # JSON bodies: integers fit in 64 bits
+_TIMEOUT = {"type": "number", "minimum": 0, "maximum": 60}
+_CURSOR = {"type": "integer", "minimum": 0, "maximum": 1 << 62}
+_DIGEST = msgspec.json.schema(Digest)
+
 # (method, path, summary, request body type, response type, query parameters)
-_Q = dict[str, tuple[str, str]]  # name -> (JSON type, description)
+_Q = dict[str, tuple[dict[str, Any], str]]  # name -> (JSON Schema, description)
 _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
     ("post", "/api/v1/jobs", "Submit a job", SubmitRequest, JobInfo, {}),
     (
@@ -31,8 +38,14 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
         None,
         list[JobInfo],
         {
-            "state": ("string", "only jobs in this state (repeatable)"),
-            "limit": ("integer", "at most this many (1-10000)"),
+            "state": (
+                {"type": "array", "items": {"enum": list(STATES)}},
+                "only jobs in these states (repeat the parameter)",
+            ),
+            "limit": (
+                {"type": "integer", "minimum": 1, "maximum": 10_000},
+                "at most this many (1-10000)",
+            ),
         },
     ),
     ("get", "/api/v1/jobs/{job_id}", "One job (by id or unique prefix)", None, JobInfo, {}),
@@ -42,7 +55,7 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
         "Long poll until the job is final or the timeout passes",
         None,
         JobInfo,
-        {"timeout": ("number", "seconds to wait, 0-60")},
+        {"timeout": (_TIMEOUT, "seconds to wait, 0-60")},
     ),
     ("post", "/api/v1/jobs/{job_id}/cancel", "Cancel a job", None, JobInfo, {}),
     (
@@ -52,9 +65,9 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
         None,
         LogChunk,
         {
-            "attempt": ("integer", "cursor: attempt"),
-            "seq": ("integer", "cursor: line number"),
-            "timeout": ("number", "seconds to wait for new lines, 0-60"),
+            "attempt": (_CURSOR, "cursor: attempt"),
+            "seq": (_CURSOR, "cursor: line number"),
+            "timeout": (_TIMEOUT, "seconds to wait for new lines, 0-60"),
         },
     ),
     ("get", "/api/v1/workers", "List workers", None, list[WorkerInfo], {}),
@@ -81,7 +94,7 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
         "Long poll for the worker's next instructions",
         None,
         list[Instruction],
-        {"timeout": ("number", "seconds to wait, 0-60")},
+        {"timeout": (_TIMEOUT, "seconds to wait, 0-60")},
     ),
     ("post", "/api/v1/tasks/started", "A task's process started", TaskStarted, None, {}),
     ("post", "/api/v1/tasks/logs", "A batch of a task's log lines", LogBatch, None, {}),
@@ -101,6 +114,19 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
 ]
 
 
+def _bound_integers(schema: Any) -> None:
+    """Declare the 64-bit range on every integer the document has no narrower range for."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            for key, bound in INT64.items():
+                schema.setdefault(key, bound)
+        for value in schema.values():
+            _bound_integers(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _bound_integers(value)
+
+
 @cache
 def document() -> dict[str, Any]:
     types = [
@@ -110,6 +136,9 @@ def document() -> dict[str, Any]:
         types, ref_template="#/components/schemas/{name}"
     )
     refs = iter(schemas)
+    components["BlobList"]["properties"]["digests"]["items"] = _DIGEST
+    for component in components.values():
+        _bound_integers(component)
     paths: dict[str, dict[str, Any]] = {}
     error = {
         "description": "error",
@@ -126,12 +155,17 @@ def document() -> dict[str, Any]:
     for method, path, summary, body, resp, query in _ROUTES:
         op: dict[str, Any] = {"summary": summary, "responses": {}}
         params = [
-            {"name": p.strip("{}"), "in": "path", "required": True, "schema": {"type": "string"}}
+            {
+                "name": p.strip("{}"),
+                "in": "path",
+                "required": True,
+                "schema": _DIGEST if p == "{digest}" else {"type": "string"},
+            }
             for p in path.split("/")
             if p.startswith("{")
         ]
         params += [
-            {"name": n, "in": "query", "required": False, "schema": {"type": t}, "description": d}
+            {"name": n, "in": "query", "required": False, "schema": t, "description": d}
             for n, (t, d) in query.items()
         ]
         if params:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import socket
 import ssl
 import threading
 import time
@@ -324,6 +325,16 @@ class HttpTransport(Transport):
 
     def task_finished(self, result: TaskResult) -> None:
         self._post("/api/v1/tasks/finished", result)
+
+    def local_address(self) -> str:
+        """This machine's address on the route to the server (no packet is sent)."""
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((self._host, self._port))
+                return str(probe.getsockname()[0])
+        except OSError:
+            return socket.gethostname()
 
     def create_token(self, role: str, name: str | None = None) -> str:
         made = self._call(

@@ -49,6 +49,7 @@ class Worker:
         gpus: list[Gpu] | None = None,
         kill_grace: float = defaults.KILL_GRACE_S,
         heartbeat_interval: float | None = None,
+        address: str | None = None,
     ) -> None:
         if slots is not None and slots < 1:
             raise WorkerError(f"a worker needs at least one slot, got slots={slots}")
@@ -77,6 +78,7 @@ class Worker:
             slot_gpus=slot_gpus,
             gpu_vendor=self.vendor,
             gpu_names=[g.name for g in self.gpus],
+            address=address,
         )
         self._tasks: dict[tuple[str, int], TaskRun] = {}
         self._tasks_lock = threading.Lock()
