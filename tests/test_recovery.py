@@ -78,3 +78,14 @@ def test_another_live_process_keeps_its_jobs(home: Path) -> None:
             # A cancel from another process ends it.
             second.job(job.id).cancel()
         assert job.wait(timeout=30) == "cancelled"
+
+
+def test_a_job_queued_by_another_process_can_be_cancelled(home: Path) -> None:
+    with gpulayer.Client(home=home, auto_worker=False) as owner:
+        job = owner.submit(command=[PY, "-c", "print('must not run')"])
+        with gpulayer.Client(home=home, auto_worker=False) as other:
+            assert other.job(job.id).cancel() == "cancelled"
+        # The owner would now place it; it must see the cancel instead.
+        owner.ensure_local_workers(1)
+        assert job.wait(timeout=30) == "cancelled"
+        assert job.logs() == ""

@@ -153,7 +153,9 @@ class ControlPlane:
                         job.marks["placed"] = now
                 with self.store.transaction() as tx:
                     tx.insert_job(job)
-                    self._record(tx, [a for a in assignments if a.job_id != job.id], now)
+                    others = [a for a in assignments if a.job_id != job.id]
+                    self._record(tx, others, now)
+                    assignments = [a for a in assignments if a.job_id == job.id] + others
             except BaseException:
                 self._dequeue(job.id)
                 raise
@@ -269,11 +271,16 @@ class ControlPlane:
                     raise InvalidStateError(
                         f"job {job_id} is already {job.state}; there is nothing to cancel"
                     )
-                # Owned by another live process on this home: flag it, and end
-                # the process tree ourselves; its owner records the outcome.
+                # Owned by another live process on this home. Queued there: end
+                # it in the store (its owner's placement checks the state).
+                # Running there: flag it and end the process tree ourselves;
+                # its owner records the outcome.
                 with self.store.transaction() as tx:
-                    tx.request_cancel(job_id)
-                if job.pid is not None and self._kill_orphan is not None:
+                    queued = tx.cancel_queued(job_id, now)
+                    if not queued:
+                        tx.request_cancel(job_id)
+                # Committed first: the owner reads the flag when the job ends.
+                if not queued and job.pid is not None and self._kill_orphan is not None:
                     self._kill_orphan(job.pid, job.pid_created)
         return self.get(job_id)
 
@@ -726,9 +733,12 @@ class ControlPlane:
         return place((self._queue[key[2]].request for key in self._order), caps)
 
     def _record(self, tx: Transaction, assignments: list[Assignment], now: float) -> None:
-        for a in assignments:
+        """Store placements. One whose job is no longer queued in the store (a
+        cancel from another process) is dropped from the queue and from
+        ``assignments``, so it is not dispatched."""
+        for a in list(assignments):
             pending = self._queue[a.job_id]
-            tx.place(
+            placed = tx.place(
                 a.job_id,
                 worker=a.worker_id,
                 slots=a.slots,
@@ -736,6 +746,10 @@ class ControlPlane:
                 attempt=pending.attempt + 1,
                 at=now,
             )
+            if not placed:
+                assignments.remove(a)
+                self._dequeue(a.job_id)
+                self._signal_done(a.job_id)
 
     def _dispatch(self, assignments: list[Assignment], now: float) -> None:
         """Apply committed placements in memory and wake the chosen workers."""

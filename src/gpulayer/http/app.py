@@ -200,8 +200,11 @@ class Api:
         self.metrics = Metrics(plane)
         self._worker_blobs: dict[str, set[str]] = {}  # worker id -> digests it may fetch
 
-    def guard(self, roles: tuple[str, ...] | None, handler: Handler) -> Handler:
-        """Authenticate (unless ``roles`` is None: open), then map errors to statuses."""
+    def guard(
+        self, roles: tuple[str, ...] | None, handler: Handler, query: tuple[str, ...] | None = ()
+    ) -> Handler:
+        """Authenticate (unless ``roles`` is None: open), refuse query parameters not in
+        ``query`` (None: any), then map errors to statuses."""
 
         async def endpoint(request: Request) -> Response:
             try:
@@ -211,6 +214,10 @@ class Api:
                     request.state.role = role
                 else:
                     request.state.role = auth.ADMIN
+                unknown = [] if query is None else sorted(set(request.query_params) - set(query))
+                if unknown:
+                    takes = f"it takes {', '.join(query)}" if query else "it takes none"
+                    raise ApiError(422, f"unknown query parameter {unknown[0]!r}; {takes}")
                 return await handler(request)
             except auth.AuthError as exc:
                 return _error(exc.status, str(exc))
@@ -415,20 +422,20 @@ def create_app(
     g = api.guard
     v1 = "/api/v1"
     endpoints = [
-        ("GET", "/healthz", g(None, api.health)),
-        ("GET", "/openapi.json", g(None, api.openapi)),
-        ("GET", "/metrics", g(user, api.metrics_text)),
+        ("GET", "/healthz", g(None, api.health, None)),
+        ("GET", "/openapi.json", g(None, api.openapi, None)),
+        ("GET", "/metrics", g(user, api.metrics_text, None)),
         ("POST", f"{v1}/jobs", g(user, api.submit)),
-        ("GET", f"{v1}/jobs", g(user, api.list_jobs)),
+        ("GET", f"{v1}/jobs", g(user, api.list_jobs, ("state", "limit"))),
         ("GET", f"{v1}/jobs/{{job_id}}", g(user, api.get_job)),
-        ("POST", f"{v1}/jobs/{{job_id}}/wait", g(user, api.wait_job)),
+        ("POST", f"{v1}/jobs/{{job_id}}/wait", g(user, api.wait_job, ("timeout",))),
         ("POST", f"{v1}/jobs/{{job_id}}/cancel", g(user, api.cancel_job)),
-        ("GET", f"{v1}/jobs/{{job_id}}/logs", g(user, api.job_logs)),
+        ("GET", f"{v1}/jobs/{{job_id}}/logs", g(user, api.job_logs, ("attempt", "seq", "timeout"))),
         ("GET", f"{v1}/workers", g(user, api.list_workers)),
         ("POST", f"{v1}/workers", g(worker, api.register)),
         ("DELETE", f"{v1}/workers/{{worker_id}}", g(worker, api.unregister)),
         ("POST", f"{v1}/workers/{{worker_id}}/heartbeat", g(worker, api.heartbeat)),
-        ("POST", f"{v1}/workers/{{worker_id}}/acquire", g(worker, api.acquire)),
+        ("POST", f"{v1}/workers/{{worker_id}}/acquire", g(worker, api.acquire, ("timeout",))),
         ("POST", f"{v1}/tasks/started", g(worker, api.task_started)),
         ("POST", f"{v1}/tasks/logs", g(worker, api.task_logs)),
         ("POST", f"{v1}/tasks/finished", g(worker, api.task_finished)),

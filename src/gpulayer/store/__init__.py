@@ -32,7 +32,8 @@ class Transaction(abc.ABC):
         gpus: Sequence[int],
         attempt: int,
         at: float,
-    ) -> None: ...
+    ) -> bool:
+        """Mark a queued job placed; False if it is no longer queued."""
 
     @abc.abstractmethod
     def start(
@@ -56,6 +57,10 @@ class Transaction(abc.ABC):
 
     @abc.abstractmethod
     def request_cancel(self, job_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def cancel_queued(self, job_id: str, at: float) -> bool:
+        """End a job that is still queued as cancelled; False if it is not queued."""
 
     @abc.abstractmethod
     def adopt(self, from_owner: str, to_owner: str, *, workers: bool) -> list[str]:

@@ -106,12 +106,16 @@ class _SqliteTransaction(Transaction):
         gpus: Sequence[int],
         attempt: int,
         at: float,
-    ) -> None:
-        self.db.execute(
-            "UPDATE jobs SET state='running', worker=?, slots=?, gpus=?, attempt=?, "
-            "exit_code=NULL, marks=json_set(marks, '$.placed', json(?)) WHERE id=?",
-            # Numbers go in as JSON text: SQLite renders bound REALs with 15 digits.
-            (worker, _encode(list(slots)), _encode(list(gpus)), attempt, _encode(at), job_id),
+    ) -> bool:
+        # Only a job still queued: another process may have cancelled it.
+        return (
+            self.db.execute(
+                "UPDATE jobs SET state='running', worker=?, slots=?, gpus=?, attempt=?, "
+                "exit_code=NULL, marks=json_set(marks, '$.placed', json(?)) WHERE id=? AND state='queued'",
+                # Numbers go in as JSON text: SQLite renders bound REALs with 15 digits.
+                (worker, _encode(list(slots)), _encode(list(gpus)), attempt, _encode(at), job_id),
+            ).rowcount
+            == 1
         )
 
     def start(
@@ -149,6 +153,16 @@ class _SqliteTransaction(Transaction):
             "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, pid_created=NULL, owner=?, "
             "reason=?, marks=json_object('submitted', json_extract(marks, '$.submitted')) WHERE id=?",
             (owner, reason, job_id),
+        )
+
+    def cancel_queued(self, job_id: str, at: float) -> bool:
+        return (
+            self.db.execute(
+                "UPDATE jobs SET state='cancelled', cancel_requested=1, reason='cancelled while queued', "
+                "marks=json_set(marks, '$.finished', json(?)) WHERE id=? AND state='queued'",
+                (_encode(at), job_id),
+            ).rowcount
+            == 1
         )
 
     def request_cancel(self, job_id: str) -> None:
