@@ -229,6 +229,9 @@ def run(
         client.ensure_local_workers(workers, slots=slots)
     job = client.submit(**fields)
     click.echo(f"gpulayer: job {job.id} submitted", err=True)
+    if not follow:
+        click.echo(job.id)
+        return
     try:
         _stream(job)
         state = job.wait()

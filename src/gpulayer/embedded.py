@@ -36,6 +36,7 @@ def _kill_orphan(pid: int, created: float | None) -> None:
 class Embedded:
     def __init__(self, home_path: Path) -> None:
         self.home = Home(home_path)
+        self.home.check_not_server()
         self.instance_id = new_id()
         self.home.claim_instance(self.instance_id)
         self.store = SqliteStore(self.home.db)

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from . import defaults
+from .errors import GPUlayerError
 
 
 def resolve_home(
@@ -57,6 +58,35 @@ class Home:
 
     def worker_dir(self, worker_id: str) -> Path:
         return self.path / "workers" / worker_id
+
+    @property
+    def server_lock(self) -> Path:
+        return self.path / "server.lock"
+
+    def claim_server(self) -> int:
+        """Mark this home as a server's, for good, and hold it while serving.
+
+        A second server on the same home is refused; so is an embedded
+        control plane (see :meth:`check_not_server`), whose recovery would end
+        the jobs that the server's remote workers are still running.
+        """
+        fd = os.open(self.server_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise GPUlayerError(
+                f"another GPUlayer server is serving the home {self.path}; "
+                "stop it first, or give this server its own --home"
+            ) from None
+        return fd
+
+    def check_not_server(self) -> None:
+        if self.server_lock.exists():
+            raise GPUlayerError(
+                f"{self.path} is a GPUlayer server's home: reach it through the server "
+                "(--server URL or GPULAYER_SERVER), not embedded, which would end its remote jobs"
+            )
 
     def claim_instance(self, instance_id: str) -> None:
         """Hold this instance's lock for as long as the process lives."""

@@ -406,6 +406,10 @@ class ControlPlane:
                 for job_id in list(worker.running):
                     if (job_id, self._running[job_id].attempt) not in reported:
                         lost[job_id] = self._release(job_id)
+                # Its slots are what it says now (it may have fewer), less
+                # those its re-attached tasks hold.
+                held = {s for job_id in worker.running for s in self._running[job_id].slots}
+                worker.free = set(range(len(info.slot_gpus))) - held
             worker.last_seen = now
             for job_id, attempt in reported:
                 run = self._running.get(job_id)

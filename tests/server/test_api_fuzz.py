@@ -106,22 +106,6 @@ def _short_polls(case: schemathesis.Case) -> None:
         case.query["timeout"] = min(value, POLL_CAP_S)
 
 
-def _fresh_worker_ids(case: schemathesis.Case) -> None:
-    """Register every fuzzed worker under a new id (the server makes one for "").
-
-    WORKAROUND, to go with the fix of the bug that
-    test_reregistering_with_fewer_slots_keeps_scheduling pins down (strict
-    xfail): a worker registering again under its id with fewer slots leaves
-    the scheduler indexing slots that no longer exist, and every later
-    placement answers 500. The fuzz reuses ids ("0", "") often enough to hit it.
-    """
-    if case.operation.label != "POST /api/v1/workers" or not isinstance(case.body, dict):
-        return
-    worker = case.body.get("worker")
-    if isinstance(worker, dict) and isinstance(worker.get("id"), str):
-        worker["id"] = ""
-
-
 def _checks(label: str) -> list[Any]:
     names = _CHECKS if label in SEMANTIC else [*_CHECKS, "positive_data_acceptance"]
     return [getattr(schemathesis.checks, n) for n in names] + [error_names_the_problem]
@@ -144,7 +128,6 @@ def _fuzz(
     @given(case=operation.as_strategy(generation_mode=mode))
     def fuzz(case: schemathesis.Case) -> None:
         _short_polls(case)
-        _fresh_worker_ids(case)
         case.call_and_validate(session=session, checks=checks, timeout=10)
 
     fuzz()
@@ -280,13 +263,6 @@ def test_whole_floats_are_integers(server: ServerProc) -> None:
     assert status == 422 and "$.exit_code" in answer["error"], answer
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="service.py ControlPlane.register_worker keeps the old free-slot set when a "
-    "known worker registers again with fewer slots; scheduler._pick_slots then "
-    "indexes past slot_gpus (IndexError -> 500 on every placement)",
-)
 def test_reregistering_with_fewer_slots_keeps_scheduling(server: ServerProc) -> None:
     def register(slots: int) -> int:
         worker = {"id": "w-fixed", "name": "w", "host": "h", "slot_gpus": [None] * slots}
@@ -295,4 +271,4 @@ def test_reregistering_with_fewer_slots_keeps_scheduling(server: ServerProc) -> 
     assert register(3) == 201
     assert register(1) == 201  # the same worker, back with one slot
     status, body, _ = request(server, "POST", "/api/v1/jobs", {"spec": {"command": ["true"]}})
-    assert status == 201, (status, body)  # today: 500, from IndexError in _pick_slots
+    assert status == 201, (status, body)

@@ -213,10 +213,11 @@ def test_a_worker_cut_off_delivers_its_results_afterwards(
     code = (
         f"print('before', flush=True); open({str(gate)!r}).read()\n"
         f"print('during the outage', flush=True)\n"
+        f"open('result.txt', 'w').write('kept')\n"
         f"open({str(done)!r}, 'w').write('x')\n"
     )
     with server.client() as client:
-        job = client.submit(command=[PY, "-c", code])
+        job = client.submit(command=[PY, "-c", code], outputs=["result.txt"])
         follow_until(job, "before")
         server.kill(signal.SIGKILL)  # the worker is cut off
         with open(gate, "w") as g:
@@ -224,13 +225,15 @@ def test_a_worker_cut_off_delivers_its_results_afterwards(
         with open(done) as d:  # the job has finished while nobody listened
             assert d.read() == "x"
         assert worker.stderr is not None
-        for line in worker.stderr:  # the worker gave up sending for now and kept its result
-            if "keeping a report to deliver later" in line:
+        for line in worker.stderr:  # the worker could not deliver and kept what it had
+            if "keeping them to send later" in line:
                 break
         server.proc = None
         server.start()
-        assert job.wait(timeout=60) == "succeeded"
+        assert job.wait(timeout=60) == "succeeded", job.info.reason
         assert job.logs() == "before\nduring the outage\n"
+        out = job.download_outputs(tmp_path / "dl")
+        assert (out / "result.txt").read_text() == "kept"
 
 
 def test_workers_advertise_the_address_they_reach_the_server_from(
@@ -240,3 +243,65 @@ def test_workers_advertise_the_address_they_reach_the_server_from(
     with server.client() as client:
         (info,) = [w for w in client.workers() if w.name == "adv"]
     assert info.address == "127.0.0.1"
+
+
+def test_a_server_home_is_its_own(server: ServerProc, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from gpulayer.errors import GPUlayerError
+
+    # Embedded use of a server's home would end the jobs its workers run.
+    with pytest.raises(GPUlayerError, match="server's home"):
+        gpulayer.Client(home=server.home)
+    # A second server on the same home is refused.
+    second = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpulayer.cli",
+            "--home",
+            str(server.home),
+            "server",
+            "start",
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode != 0 and "another GPUlayer server" in second.stderr
+
+
+def test_run_detach_returns_the_job_id(server: ServerProc, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    server.start_worker(tmp_path / "w1")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpulayer.cli",
+            "--server",
+            server.url,
+            "--token",
+            server.admin,
+            "run",
+            "--detach",
+            "--",
+            PY,
+            "-c",
+            "print('detached')",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    with server.client() as client:
+        job = client.job(job_id)
+        assert job.wait(timeout=60) == "succeeded"
+        assert job.logs() == "detached\n"

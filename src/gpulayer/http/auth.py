@@ -56,4 +56,5 @@ def role_of(store: Store, authorization: str | None) -> str:
 
 def require(role: str, allowed: tuple[str, ...]) -> None:
     if role != ADMIN and role not in allowed:
-        raise AuthError(403, f"a {role} token cannot do this (needs: {' or '.join(allowed)})")
+        needs = " or ".join(allowed) if allowed else "admin"
+        raise AuthError(403, f"a {role} token cannot do this (needs: {needs})")

@@ -78,6 +78,7 @@ class Server:
         self.auth_enabled = auth_enabled
         self.heartbeat_timeout = heartbeat_timeout
         self.home = Home(home)
+        self._server_lock = self.home.claim_server()
         self.instance_id = new_id()
         self.home.claim_instance(self.instance_id)
         self.store = SqliteStore(self.home.db)
@@ -154,6 +155,7 @@ class Server:
         self.plane.close_workers()
         self.store.close()
         self.home.release_instance(self.instance_id)
+        os.close(self._server_lock)
 
     def serve(self, sock: socket.socket | None = None) -> None:
         import uvicorn
@@ -168,6 +170,9 @@ class Server:
             access_log=False,  # no request lines (and never a header) in the logs
             timeout_graceful_shutdown=5,
             backlog=4096,
+            # Longer than the heartbeat interval, so a worker's connection
+            # is not closed between two of its heartbeats.
+            timeout_keep_alive=75,
             limit_concurrency=None,
         )
         uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)

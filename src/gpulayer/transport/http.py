@@ -304,7 +304,8 @@ class HttpTransport(Transport):
         self._send("DELETE", f"/api/v1/workers/{_q(worker_id)}").read()
 
     def heartbeat(self, worker_id: str) -> None:
-        self._post(f"/api/v1/workers/{_q(worker_id)}/heartbeat", {"running": []}, retry=False)
+        # Retried: the server may have closed an idle keep-alive connection.
+        self._post(f"/api/v1/workers/{_q(worker_id)}/heartbeat", {"running": []})
 
     def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
         timeout = min(timeout, 60.0)

@@ -29,7 +29,9 @@ from pathlib import Path
 
 from .. import defaults
 from ..artifacts import ArtifactStore
+from ..errors import ServerUnreachable
 from ..jobs import Outcome, RunTask, TaskResult, TaskStarted
+from ..spec import ArtifactRef
 from ..transport import Transport
 from .gpus import Vendor, visible_devices_env
 from .logs import LogSender, TaskLog
@@ -211,9 +213,22 @@ class TaskRun:
             proc, emit, deadline=deadline, on_deadline=lambda: self.stop("timed_out")
         )
         self.marks["exited"] = exited
-        outputs, missing = collect_outputs(spec.outputs, self._cwd, self.transport)
+        outputs, missing = self._collect_outputs()
         with self._lock:
             ending = self._ending
         return self._result(
             ending or "exited", exit_code=code, outputs=outputs, missing_outputs=missing
         )
+
+    def _collect_outputs(self) -> tuple[dict[str, ArtifactRef], list[str]]:
+        """Store the declared outputs, waiting out a server that is away."""
+        backoff = 0.05
+        deadline = time.monotonic() + defaults.OUTPUT_UPLOAD_PATIENCE_S
+        while True:
+            try:
+                return collect_outputs(self.task.spec.outputs, self._cwd, self.transport)
+            except ServerUnreachable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(backoff)  # retry backoff while the server is unreachable
+                backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
