@@ -12,7 +12,13 @@ noisy machine:
 5. submits per second into the embedded store, with no worker taking them;
 6. import time of `gpulayer` and of the worker's import path.
 
+With ``--server`` the same figures (1-5) go through a real `gpulayer server`
+process and real `gpulayer worker` processes on loopback, started in a
+temporary home and stopped at the end (on error and Ctrl-C too); submits are
+counted over HTTP from one client, with no worker taking them.
+
     python benchmarks/dispatch.py --jobs 40 --workers 4
+    python benchmarks/dispatch.py --server --jobs 40 --workers 4
 """
 
 from __future__ import annotations
@@ -21,11 +27,14 @@ import argparse
 import json
 import os
 import platform
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,17 +59,22 @@ def gpulayer_once(client: gpulayer.Client) -> tuple[float, dict[str, float]]:
 
 
 def single(repeat: int) -> dict[str, object]:
-    bare, ours, stages = [], [], []
     with tempfile.TemporaryDirectory() as home, gpulayer.Client(home=home) as client:
         client.ensure_local_workers(1)
-        for _ in range(3):  # warm up both paths
-            bare_once()
-            gpulayer_once(client)
-        for _ in range(repeat):
-            bare.append(bare_once())
-            took, timings = gpulayer_once(client)
-            ours.append(took)
-            stages.append(timings)
+        return measure_single(client, repeat)
+
+
+def measure_single(client: gpulayer.Client, repeat: int) -> dict[str, object]:
+    """Bare and one job alternate on ``client``'s idle worker; medians of each."""
+    bare, ours, stages = [], [], []
+    for _ in range(3):  # warm up both paths
+        bare_once()
+        gpulayer_once(client)
+    for _ in range(repeat):
+        bare.append(bare_once())
+        took, timings = gpulayer_once(client)
+        ours.append(took)
+        stages.append(timings)
     median_stages = {k: statistics.median(s[k] for s in stages) for k in stages[0]}
     return {
         "bare_ms": statistics.median(bare) * 1e3,
@@ -71,14 +85,17 @@ def single(repeat: int) -> dict[str, object]:
 
 
 def throughput(jobs: int, workers: int, rounds: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as home, gpulayer.Client(home=home) as client:
+        client.ensure_local_workers(workers)
+        return measure_burst(client, jobs, workers, rounds)
+
+
+def measure_burst(
+    client: gpulayer.Client, jobs: int, workers: int, rounds: int
+) -> dict[str, float]:
     """Bare and GPUlayer bursts alternate; each reports its median round."""
     bare, ours = [], []
-    with (
-        tempfile.TemporaryDirectory() as home,
-        gpulayer.Client(home=home) as client,
-        ThreadPoolExecutor(workers) as pool,
-    ):
-        client.ensure_local_workers(workers)
+    with ThreadPoolExecutor(workers) as pool:
         gpulayer_once(client)  # warm
         for _ in range(rounds):
             start = time.perf_counter()
@@ -98,12 +115,15 @@ def submits(count: int) -> dict[str, float]:
         tempfile.TemporaryDirectory() as home,
         gpulayer.Client(home=home, auto_worker=False) as client,
     ):
-        client.submit(command=NOOP)  # open and warm the store
-        start = time.perf_counter()
-        for _ in range(count):
-            client.submit(command=NOOP)
-        rate = count / (time.perf_counter() - start)
-    return {"submits_per_s": rate}
+        return measure_submits(client, count)
+
+
+def measure_submits(client: gpulayer.Client, count: int) -> dict[str, float]:
+    client.submit(command=NOOP)  # open and warm the store (and the connection)
+    start = time.perf_counter()
+    for _ in range(count):
+        client.submit(command=NOOP)
+    return {"submits_per_s": count / (time.perf_counter() - start)}
 
 
 def import_ms(module: str, repeat: int = 7) -> float:
@@ -119,6 +139,227 @@ def import_ms(module: str, repeat: int = 7) -> float:
     return statistics.median(runs) * 1e3
 
 
+# ---- server mode: a real server process and real worker processes on loopback ----
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cli(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "gpulayer.cli", *argv]
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _stop(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class LoopbackServer:
+    """`gpulayer server start` on 127.0.0.1 in a temporary home, and its workers.
+
+    Every process writes its output to a file in the home (a pipe nobody
+    reads could fill and stall it); ``close`` stops the workers, then the
+    server, and removes the home, whatever happened before.
+    """
+
+    def __init__(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="gpulayer-bench-")
+        self.root = Path(self._tmp.name)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.workers: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> LoopbackServer:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spawn(
+        self, argv: list[str], log: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        with log.open("wb") as err:
+            # Own session: a Ctrl-C reaches only the benchmark, which stops
+            # the workers before the server, in order. Stdout is left out: the
+            # server prints its admin token there (read from the home instead).
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+            )
+
+    def _start(self) -> None:
+        home, log = self.root / "server", self.root / "server.log"
+        argv = _cli(
+            "--home", str(home), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)
+        )
+        self.proc = self._spawn(argv, log)
+        deadline = time.monotonic() + 60
+        while True:  # ready when the health endpoint answers
+            try:
+                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not start:\n{_tail(log)}") from None
+                time.sleep(0.02)  # another process is binding: nothing to block on
+        self.admin = (home / "admin-token").read_text().strip()
+
+    def start_workers(self, count: int) -> None:
+        """``count`` one-slot worker processes, each registered when this returns."""
+        env = {**os.environ, "GPULAYER_TOKEN": self.admin}
+        logs = []
+        for _ in range(count):
+            i = len(self.workers)
+            log = self.root / f"worker-{i}.log"
+            argv = _cli(
+                "--home",
+                str(self.root / f"worker-{i}"),
+                "--server",
+                self.url,
+                "worker",
+                "start",
+                "--slots",
+                "1",
+                "--name",
+                f"bench-{i}",
+            )
+            self.workers.append(self._spawn(argv, log, env))
+            logs.append((self.workers[-1], log))
+        deadline = time.monotonic() + 60
+        for proc, log in logs:  # "gpulayer: worker <id> (...) serving URL" once registered
+            while "serving" not in _tail(log):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"a worker did not register:\n{_tail(log)}")
+                time.sleep(0.02)
+
+    def client(self) -> gpulayer.Client:
+        return gpulayer.Client(self.url, token=self.admin)
+
+    def close(self) -> None:
+        try:
+            for proc in self.workers:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in self.workers:
+                _stop(proc)
+            if self.proc is not None:
+                _stop(self.proc)
+        finally:
+            self._tmp.cleanup()
+
+
+def server_single(repeat: int) -> dict[str, object]:
+    with LoopbackServer() as srv, srv.client() as client:
+        srv.start_workers(1)
+        return measure_single(client, repeat)
+
+
+def server_throughput(jobs: int, workers: int, rounds: int) -> dict[str, float]:
+    with LoopbackServer() as srv, srv.client() as client:
+        srv.start_workers(workers)
+        return measure_burst(client, jobs, workers, rounds)
+
+
+def server_submits(count: int) -> dict[str, float]:
+    with LoopbackServer() as srv, srv.client() as client:  # no worker: nothing takes them
+        return measure_submits(client, count)
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so the servers are stopped too."""
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGHUP, leave)
+
+
+def print_rows(rows: list[tuple[str, str, str]]) -> None:
+    width = max(len(r[0]) for r in rows)
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>14}  {note}")
+
+
+def main_server(args: argparse.Namespace, machine: str) -> None:
+    _exit_on_sigterm()
+    print("server mode: a server process and worker processes on 127.0.0.1", file=sys.stderr)
+    print("measuring one job ...", file=sys.stderr)
+    one = server_single(args.repeat)
+    print(f"measuring {args.jobs} jobs on {args.workers} worker processes ...", file=sys.stderr)
+    burst = server_throughput(args.jobs, args.workers, args.rounds)
+    print("measuring submits over HTTP ...", file=sys.stderr)
+    http = server_submits(args.submits)
+    print_rows(
+        [
+            ("python -c pass (bare)", f"{one['bare_ms']:.2f} ms", ""),
+            (
+                "one job over HTTP, submit -> wait()",
+                f"{one['gpulayer_ms']:.2f} ms",
+                f"{one['ratio']:.3f}x bare (target <= 1.20)",
+            ),
+            (
+                f"bare, {args.jobs} on {args.workers} threads",
+                f"{burst['bare_jobs_per_s']:.1f} jobs/s",
+                "",
+            ),
+            (
+                f"gpulayer, {args.jobs} on {args.workers} worker processes",
+                f"{burst['gpulayer_jobs_per_s']:.1f} jobs/s",
+                f"{burst['ratio']:.3f}x bare (target >= 0.85)",
+            ),
+            ("submits over HTTP, one client", f"{http['submits_per_s']:.0f} /s", "target >= 1000"),
+        ]
+    )
+    print(
+        "stages of one job (median ms): "
+        + ", ".join(f"{k} {v}" for k, v in one["stages_ms"].items())  # type: ignore[attr-defined]
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "mode": "server",
+                "args": vars(args) | {"json": str(args.json)},
+                "single": one,
+                "burst": burst,
+                "submits": http,
+                "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {args.json}", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -131,12 +372,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="bursts of each kind (median)")
     parser.add_argument("--submits", type=int, default=3000)
     parser.add_argument(
-        "--json", type=Path, default=Path(__file__).parent / "results" / "dispatch.json"
+        "--server",
+        action="store_true",
+        help="through a server process and worker processes on 127.0.0.1",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        help="where to write the figures (default results/dispatch.json, "
+        "results/dispatch-server.json with --server)",
     )
     args = parser.parse_args()
+    name = "dispatch-server.json" if args.server else "dispatch.json"
+    args.json = args.json or Path(__file__).parent / "results" / name
 
     machine = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     print(f"machine: {machine}", file=sys.stderr)
+    if args.server:
+        main_server(args, machine)
+        return
     print("measuring one job ...", file=sys.stderr)
     one = single(args.repeat)
     print(f"measuring {args.jobs} jobs on {args.workers} workers ...", file=sys.stderr)
@@ -164,9 +418,7 @@ def main() -> None:
         ),
         ("submits, embedded store", f"{store['submits_per_s']:.0f} /s", "target >= 5000"),
     ] + [(f"import {m}", f"{ms:.1f} ms", "") for m, ms in imports.items()]
-    width = max(len(r[0]) for r in rows)
-    for name, value, note in rows:
-        print(f"{name:<{width}}  {value:>14}  {note}")
+    print_rows(rows)
     print(
         "stages of one job (median ms): "
         + ", ".join(f"{k} {v}" for k, v in one["stages_ms"].items())
