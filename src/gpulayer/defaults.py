@@ -71,3 +71,7 @@ RECONNECT_MAX_S = 10.0
 # A task that ends while the server is unreachable keeps trying to store its
 # outputs this long before it is reported as failed.
 OUTPUT_UPLOAD_PATIENCE_S = 600.0
+# The server freezes long-lived objects out of the garbage collector's view
+# this often, and runs a real full collection this often (see http/server.py).
+GC_FREEZE_INTERVAL_S = 1.0  # gc.freeze() itself costs nothing: it moves a list
+GC_FULL_INTERVAL_S = 600.0

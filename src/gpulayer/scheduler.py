@@ -39,10 +39,19 @@ class Capacity:
     worker_id: str
     slot_gpus: tuple[int | None, ...]
     free: frozenset[int] = field(default_factory=frozenset)
+    # Derived once, so that a placement pass over thousands of idle workers
+    # allocates nothing per worker (see place()).
+    free_cpu: tuple[int, ...] = field(init=False)
+    free_gpu: tuple[int, ...] = field(init=False)
+    total_gpus: int = field(init=False)
 
-    @property
-    def total_gpus(self) -> int:
-        return sum(1 for gpu in self.slot_gpus if gpu is not None)
+    def __post_init__(self) -> None:
+        gpus = self.slot_gpus
+        object.__setattr__(self, "free_cpu", tuple(sorted(s for s in self.free if gpus[s] is None)))
+        object.__setattr__(
+            self, "free_gpu", tuple(sorted(s for s in self.free if gpus[s] is not None))
+        )
+        object.__setattr__(self, "total_gpus", sum(1 for g in gpus if g is not None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,14 +66,11 @@ def order(requests: Iterable[Request]) -> list[Request]:
     return sorted(requests, key=lambda r: (-r.priority, r.seq))
 
 
-def _pick_slots(cap: Capacity, free: set[int], gpus: int) -> tuple[int, ...] | None:
-    if gpus == 0:
-        # Prefer a CPU slot so GPU slots stay free for jobs that need them.
-        cpu = [s for s in free if cap.slot_gpus[s] is None]
-        pool = cpu or sorted(free)
-        return (min(pool),) if pool else None
-    gpu_slots = sorted(s for s in free if cap.slot_gpus[s] is not None)
-    return tuple(gpu_slots[:gpus]) if len(gpu_slots) >= gpus else None
+def _split(cap: Capacity, used: set[int] | None) -> tuple[Sequence[int], Sequence[int]]:
+    """Free (CPU, GPU) slots, less those ``used`` earlier in this pass."""
+    if not used:
+        return cap.free_cpu, cap.free_gpu
+    return [s for s in cap.free_cpu if s not in used], [s for s in cap.free_gpu if s not in used]
 
 
 def _could_ever_fit(cap: Capacity, gpus: int) -> bool:
@@ -76,34 +82,55 @@ def place(requests: Iterable[Request], capacities: Sequence[Capacity]) -> list[A
 
     ``requests`` come highest rank first (see :func:`order`); the caller keeps
     its queue in that order, so placement stops reading it as soon as every
-    worker is full or reserved, however long the queue.
+    worker is full or reserved, however long the queue. A pass allocates
+    nothing per worker it merely looks at: with ten thousand idle workers,
+    garbage from placement would otherwise set off full collections that
+    stall the server.
     """
-    free = {cap.worker_id: set(cap.free) for cap in capacities}
-    caps = {cap.worker_id: cap for cap in capacities}
+    used: dict[str, set[int]] = {}  # slots given out in this pass
     reserved: set[str] = set()
     result: list[Assignment] = []
     for req in requests:
-        open_workers = [w for w in caps if w not in reserved and free[w]]
-        if not open_workers:
+        # Best fit: CPU jobs on CPU slots first, then the fewest free slots.
+        best: list[tuple[tuple[bool, int, str], Capacity]] = []
+        anything_open = False
+        for cap in capacities:
+            w = cap.worker_id
+            if w in reserved:
+                continue
+            cpu, gpu = _split(cap, used.get(w))
+            if not cpu and not gpu:
+                continue
+            anything_open = True
+            if req.gpus:
+                if len(gpu) < req.gpus:
+                    continue
+                key = (False, len(cpu) + len(gpu), w)
+            else:
+                key = (not cpu, len(cpu) + len(gpu), w)
+            if len(best) < req.nodes or key < best[-1][0]:
+                best.append((key, cap))
+                best.sort(key=lambda kc: kc[0])
+                del best[req.nodes :]
+        if not anything_open:
             break  # every worker is full or held for an earlier job
-        fits: list[tuple[bool, int, str, tuple[int, ...]]] = []
-        for worker_id in open_workers:
-            slots = _pick_slots(caps[worker_id], free[worker_id], req.gpus)
-            if slots is not None:
-                # A CPU job takes a GPU slot only where no CPU slot is free.
-                on_gpu = not req.gpus and caps[worker_id].slot_gpus[slots[0]] is not None
-                fits.append((on_gpu, len(free[worker_id]), worker_id, slots))
-        if len(fits) >= req.nodes:
-            for _, _, worker_id, slots in sorted(fits)[: req.nodes]:
-                free[worker_id].difference_update(slots)
-                gpus = tuple(g for s in slots if (g := caps[worker_id].slot_gpus[s]) is not None)
-                result.append(Assignment(req.job_id, worker_id, slots, gpus if req.gpus else ()))
+        if len(best) == req.nodes:
+            for _, cap in best:
+                cpu, gpu = _split(cap, used.get(cap.worker_id))
+                slots = tuple(gpu[: req.gpus]) if req.gpus else ((cpu or gpu)[0],)
+                used.setdefault(cap.worker_id, set()).update(slots)
+                gpus = tuple(g for s in slots if (g := cap.slot_gpus[s]) is not None)
+                result.append(
+                    Assignment(req.job_id, cap.worker_id, slots, gpus if req.gpus else ())
+                )
             continue
         # It does not fit now: hold the workers it could drain into, fullest-free first.
-        able = [w for w in caps if w not in reserved and _could_ever_fit(caps[w], req.gpus)]
+        able = [
+            c for c in capacities if c.worker_id not in reserved and _could_ever_fit(c, req.gpus)
+        ]
         if len(able) >= req.nodes:
-            able.sort(key=lambda w: (-len(free[w]), w))
-            reserved.update(able[: req.nodes])
+            able.sort(key=lambda c: (-(len(c.free) - len(used.get(c.worker_id, ()))), c.worker_id))
+            reserved.update(c.worker_id for c in able[: req.nodes])
     return result
 
 

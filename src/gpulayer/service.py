@@ -84,8 +84,14 @@ class _LiveWorker:
     connected: bool = True
     last_seen: float = 0.0
 
+    _capacity: Capacity | None = None  # cached until its free slots change
+
     def capacity(self) -> Capacity:
-        return Capacity(self.info.id, tuple(self.info.slot_gpus), frozenset(self.free))
+        if self._capacity is None or self._capacity.free != self.free:
+            self._capacity = Capacity(
+                self.info.id, tuple(self.info.slot_gpus), frozenset(self.free)
+            )
+        return self._capacity
 
 
 @dataclass(frozen=True)
@@ -410,6 +416,7 @@ class ControlPlane:
                 # those its re-attached tasks hold.
                 held = {s for job_id in worker.running for s in self._running[job_id].slots}
                 worker.free = set(range(len(info.slot_gpus))) - held
+                worker._capacity = None
             worker.last_seen = now
             for job_id, attempt in reported:
                 run = self._running.get(job_id)
