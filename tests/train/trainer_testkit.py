@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -127,9 +128,28 @@ def quiet(**overrides: Any) -> dict[str, Any]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port for MASTER_PORT, chosen below the kernel's ephemeral range.
+
+    A port from bind(("", 0)) is ephemeral: between this check and rank 0
+    binding it, any outgoing connection on the machine (parallel tests make
+    thousands) may be given it, and the ranks then fail to meet. Ports below
+    the range are never handed out that way.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()  # seeded from the OS: parallel workers pick apart
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def run_ranks(
