@@ -58,6 +58,7 @@ class TaskRun:
         acquired: float,
         on_done: Callable[[TaskRun], None],
         report: Callable[[Callable[[], None]], None] = lambda deliver: deliver(),
+        defer_started: float | None = None,
     ) -> None:
         self.task = task
         self.worker_id = worker_id
@@ -71,6 +72,11 @@ class TaskRun:
         self.marks = {"acquired": acquired}
         self.on_done = on_done
         self.report = report  # delivers a report now, or later if the server is away
+        # Over a network, a task's start is reported only once it has run this
+        # long (a short task's start goes with its end: one request fewer).
+        # In-process it is reported at once: the pid in the store is what lets
+        # a crashed control plane's successor end the task's processes.
+        self.defer_started = defer_started
         self._lock = threading.Lock()
         self._ending: Outcome | None = None  # why we are ending it early, if we are
         self._proc: subprocess.Popen[bytes] | None = None
@@ -200,7 +206,12 @@ class TaskRun:
             pid=proc.pid,
             pid_created=process_create_time(proc.pid),
         )
-        self.report(lambda: self.transport.task_started(started))
+
+        def report_started() -> None:
+            self.report(lambda: self.transport.task_started(started))
+
+        if self.defer_started is None:
+            report_started()
         tail = self._stderr_tail
 
         def emit(stream: str, text: str) -> None:
@@ -210,7 +221,15 @@ class TaskRun:
 
         deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
         code, exited = watch(
-            proc, emit, deadline=deadline, on_deadline=lambda: self.stop("timed_out")
+            proc,
+            emit,
+            deadline=deadline,
+            on_deadline=lambda: self.stop("timed_out"),
+            # A short task's start is told with its end, in the same report.
+            still_running_at=None
+            if self.defer_started is None
+            else time.monotonic() + self.defer_started,
+            on_still_running=report_started,
         )
         self.marks["exited"] = exited
         outputs, missing = self._collect_outputs()

@@ -93,11 +93,15 @@ def watch(
     *,
     deadline: float | None = None,
     on_deadline: Callable[[], None] | None = None,
+    still_running_at: float | None = None,
+    on_still_running: Callable[[], None] | None = None,
 ) -> tuple[int, float]:
     """Ship the output of ``proc`` to ``emit`` until it exits and its pipes close.
 
     Returns the exit code and the time of the exit. ``on_deadline`` runs once
-    when ``deadline`` (a ``time.monotonic()`` value) passes first. Processes the
+    when ``deadline`` (a ``time.monotonic()`` value) passes first;
+    ``on_still_running`` once at ``still_running_at`` if the process has not
+    exited by then. Processes the
     task leaves behind in its process group get SIGTERM when it exits, and
     SIGKILL if they keep its pipes open past ``PIPE_DRAIN_S``.
     """
@@ -122,6 +126,10 @@ def watch(
                 if on_deadline is not None:
                     on_deadline()
                 deadline = None
+            if code is None and still_running_at is not None and now >= still_running_at:
+                if on_still_running is not None:
+                    on_still_running()
+                still_running_at = None
             if code is not None and now >= drain_until:
                 if killed:
                     break  # something outside the group holds the pipes; stop reading
@@ -132,6 +140,7 @@ def watch(
                 t
                 for t in (
                     deadline if code is None else None,
+                    still_running_at if code is None else None,
                     drain_until if code is not None else None,
                 )
                 if t

@@ -192,6 +192,7 @@ class Worker:
             acquired=acquired,
             on_done=self._task_done,
             report=self._outbox.send,
+            defer_started=defaults.REPORT_STARTED_AFTER_S if self.heartbeat_interval else None,
         )
         with self._tasks_lock:
             self._tasks[run.key] = run
