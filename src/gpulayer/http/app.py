@@ -23,7 +23,6 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from .. import defaults
 from ..artifacts import ArtifactStore
 from ..errors import (
     ArtifactError,
@@ -32,7 +31,7 @@ from ..errors import (
     JobNotFoundError,
     SpecError,
 )
-from ..jobs import STATES, Instruction, LogChunk, LogLine, TaskResult, TaskStarted, WorkerInfo
+from ..jobs import STATES, Instruction, LogChunk, TaskResult, TaskStarted
 from ..service import ControlPlane
 from ..signals import Unsubscribe
 from . import auth
@@ -198,7 +197,6 @@ class Api:
         self.artifacts = artifacts
         self.auth_enabled = auth_enabled
         self.metrics = Metrics(plane)
-        self._worker_blobs: dict[str, set[str]] = {}  # worker id -> digests it may fetch
 
     def guard(
         self, roles: tuple[str, ...] | None, handler: Handler, query: tuple[str, ...] | None = ()
@@ -455,4 +453,4 @@ def create_app(
     return app
 
 
-__all__ = ["LogLine", "WorkerInfo", "create_app", "defaults"]
+__all__ = ["create_app"]
