@@ -7,7 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
-import time
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -57,7 +57,8 @@ class Client:
         url = url or os.environ.get("GPULAYER_SERVER")
         self._progress = progress or _no_progress
         self._auto_worker = auto_worker
-        self._local_workers: list[subprocess.Popen[bytes]] = []
+        self._local_workers: list[subprocess.Popen[str]] = []
+        self._forwarders: list[threading.Thread] = []
         self.url = url
         self.home = resolve_home(home)
         self._embedded: Embedded | None = None
@@ -95,7 +96,13 @@ class Client:
             proc.terminate()
         for proc in self._local_workers:
             proc.wait()
+        for thread in self._forwarders:
+            thread.join()  # the worker exited: its stderr is at its end
+        for proc in self._local_workers:
+            if proc.stderr is not None:
+                proc.stderr.close()
         self._local_workers.clear()
+        self._forwarders.clear()
         self._transport.close()
 
     @property
@@ -133,43 +140,27 @@ class Client:
     ) -> list[WorkerInfo]:
         import sys
 
-        names = {f"{socket.gethostname()}-local-{os.getpid()}-{i}" for i in range(count)}
-        mine = [w for w in self._transport.list_workers() if w.name in names]
+        def name(i: int) -> str:
+            return f"{socket.gethostname()}-local-{os.getpid()}-{i}"
+
+        started = []
         for i in range(len(self._local_workers), count):
-            argv = [
-                sys.executable,
-                "-m",
-                "gpulayer.cli",
-                "--server",
-                str(self.url),
-                "worker",
-                "start",
-                "--name",
-                f"{socket.gethostname()}-local-{os.getpid()}-{i}",
-                "--kill-grace",
-                str(kill_grace),
-            ]
+            argv = [sys.executable, "-m", "gpulayer.cli", "--server", str(self.url), "worker",
+                    "start", "--name", name(i), "--kill-grace", str(kill_grace)]  # fmt: skip
             if slots is not None:
                 argv += ["--slots", str(slots)]
             env = dict(os.environ)
             if token:
                 env["GPULAYER_TOKEN"] = token
-            self._local_workers.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL))
-        # Wait until they have registered (each says so in the worker list).
-        deadline = time.monotonic() + 60
-        while len(mine) < count:
-            for proc in self._local_workers:
-                if proc.poll() is not None:
-                    raise WorkerError(
-                        f"a local worker exited with code {proc.returncode} before registering"
-                    )
-            if time.monotonic() > deadline:
-                raise WorkerError(
-                    f"only {len(mine)} of {count} local workers registered within 60 s"
-                )
-            time.sleep(0.05)  # start-up of other processes: nothing here can signal us
-            mine = [w for w in self._transport.list_workers() if w.name in names]
-        return mine
+            proc = subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
+            self._local_workers.append(proc)
+            started.append(proc)
+        for proc in started:
+            self._forwarders.append(_await_registration(proc))
+        names = {name(i) for i in range(count)}
+        return [w for w in self._transport.list_workers() if w.name in names]
 
     # ---- jobs ----
 
@@ -321,6 +312,28 @@ class Client:
 
     def workers(self) -> list[WorkerInfo]:
         return self._transport.list_workers()
+
+
+def _await_registration(proc: subprocess.Popen[str]) -> threading.Thread:
+    """Block until a worker process says it has registered, then pass its
+    further messages on to our stderr (by the thread returned)."""
+    assert proc.stderr is not None
+    said = []
+    for line in proc.stderr:  # a worker's first line is "... serving URL" once registered
+        if "serving" in line:
+            break
+        said.append(line)
+    else:
+        code = proc.wait()
+        raise WorkerError(
+            f"a local worker exited with code {code} before registering: {''.join(said)[-2000:]}"
+        )
+    import sys
+
+    stream = proc.stderr
+    forward = threading.Thread(target=lambda: [sys.stderr.write(ln) for ln in stream], daemon=True)
+    forward.start()
+    return forward
 
 
 def _size(n: float) -> str:

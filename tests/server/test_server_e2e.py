@@ -305,3 +305,15 @@ def test_run_detach_returns_the_job_id(server: ServerProc, tmp_path: Path) -> No
         job = client.job(job_id)
         assert job.wait(timeout=60) == "succeeded"
         assert job.logs() == "detached\n"
+
+
+def test_ensure_local_workers_starts_worker_processes(server: ServerProc) -> None:
+    with server.client() as client:
+        workers = client.ensure_local_workers(2, slots=1, kill_grace=0.5)
+        assert len(workers) == 2 and len({w.id for w in workers}) == 2
+        assert len(client.ensure_local_workers(2)) == 2  # already running: none added
+        job = client.submit(command=[PY, "-c", "print('local')"])
+        assert job.wait(timeout=60) == "succeeded"
+        assert job.info.worker in {w.id for w in workers}
+    with server.client() as other:
+        assert other.workers() == [], "closing the client stopped its workers"
