@@ -68,7 +68,17 @@ def test_a_good_spec_round_trips() -> None:
     assert parse_spec(spec) is spec
 
 
-def test_distributed_jobs_are_refused_clearly_until_the_launcher_exists() -> None:
-    with pytest.raises(SpecError, match="distributed launcher") as info:
-        parse_spec({"command": ["x"], "nodes": 2})
+def test_distributed_shapes_are_accepted_and_their_limits_named() -> None:
+    spec = parse_spec({"command": ["x"], "nodes": 2, "procs_per_node": 2, "gpus": 2})
+    assert spec.world_size == 4 and spec.distributed
+    assert parse_spec({"command": ["x"], "launcher": "torchrun"}).distributed
+    assert not parse_spec({"command": ["x"]}).distributed
+    with pytest.raises(SpecError, match="gpus is per node") as info:
+        parse_spec({"command": ["x"], "procs_per_node": 4, "gpus": 2})
+    assert info.value.field == "procs_per_node"
+    with pytest.raises(SpecError, match="at most 1024 nodes") as info:
+        parse_spec({"command": ["x"], "nodes": 5000})
     assert info.value.field == "nodes"
+    with pytest.raises(SpecError, match="valid values: direct, torchrun") as info:
+        parse_spec({"command": ["x"], "nodes": 2, "launcher": "mpirun"})
+    assert info.value.field == "launcher"

@@ -257,7 +257,7 @@ def _stream(job: Job) -> None:
     out, err = sys.stdout, sys.stderr
     for line in job.stream_logs(follow=True):
         stream = out if line.stream == "stdout" else err
-        stream.write(line.text + "\n")
+        stream.write(line.render() + "\n")
         stream.flush()
 
 

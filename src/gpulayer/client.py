@@ -396,7 +396,7 @@ class Job:
 
     def logs(self) -> str:
         """The job's output so far, as text (stdout and stderr interleaved)."""
-        return "".join(line.text + "\n" for line in self.stream_logs(follow=False))
+        return "".join(line.render() + "\n" for line in self.stream_logs(follow=False))
 
     def download_outputs(self, dest: str | os.PathLike[str] | None = None) -> Path:
         """Copy the job's outputs (and its log) into ``gpulayer_runs/<job id>/``; return that path.

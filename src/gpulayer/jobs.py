@@ -33,8 +33,23 @@ STAGES = {
 }
 
 
+class TaskInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One node's share of a distributed job: where it runs and its process."""
+
+    node: int
+    worker: str
+    slots: list[int] = []
+    gpus: list[int] = []
+    pid: int | None = None
+    pid_created: float | None = None
+
+
 class JobInfo(msgspec.Struct, kw_only=True):
-    """A job as the store holds it; what clients see."""
+    """A job as the store holds it; what clients see.
+
+    ``worker``, ``slots``, ``gpus`` and ``pid`` describe the job's only task,
+    or node 0's for a job of several nodes, whose every task is in ``tasks``.
+    """
 
     id: str
     spec: JobSpec
@@ -52,6 +67,7 @@ class JobInfo(msgspec.Struct, kw_only=True):
     pid_created: float | None = None
     marks: dict[str, float] = {}
     outputs: dict[str, ArtifactRef] = {}
+    tasks: list[TaskInfo] = []  # one per node, for jobs of several nodes
 
     @property
     def done(self) -> bool:
@@ -81,11 +97,16 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     running: list[str] = []  # job ids; filled in by the service
 
 
-class LogLine(msgspec.Struct, array_like=True):
+class LogLine(msgspec.Struct, array_like=True, omit_defaults=True):
     seq: int
     ts: float
     stream: Literal["stdout", "stderr", "system"]
     text: str
+    rank: int | None = None  # the rank that printed it, in a distributed job
+
+    def render(self) -> str:
+        """The line as shown to people: a distributed job's tagged with its rank."""
+        return self.text if self.rank is None else f"[rank {self.rank}] {self.text}"
 
 
 class LogChunk(msgspec.Struct):
@@ -96,13 +117,26 @@ class LogChunk(msgspec.Struct):
 
 
 # Instructions a worker receives from acquire().
-class RunTask(msgspec.Struct, tag="run", kw_only=True):
+class RunTask(msgspec.Struct, tag="run", kw_only=True, omit_defaults=True):
     job_id: str
     attempt: int
     placed: float = 0.0  # when the control plane placed it (for dispatch latency)
     spec: JobSpec
     slots: list[int]
     gpus: list[int]
+    # Distributed jobs: this task's node, and where rank 0 listens. Node 0's
+    # worker reserves the port; the other nodes learn it from a Rendezvous.
+    node: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+class Rendezvous(msgspec.Struct, tag="rendezvous", kw_only=True):
+    """The port node 0 reserved, for the other nodes of its job."""
+
+    job_id: str
+    attempt: int
+    master_port: int
 
 
 class CancelTask(msgspec.Struct, tag="cancel", kw_only=True):
@@ -110,7 +144,7 @@ class CancelTask(msgspec.Struct, tag="cancel", kw_only=True):
     attempt: int
 
 
-Instruction = RunTask | CancelTask
+Instruction = RunTask | CancelTask | Rendezvous
 
 Outcome = Literal["exited", "timed_out", "cancelled", "lost", "error"]
 
@@ -124,6 +158,7 @@ class TaskStarted(msgspec.Struct, kw_only=True):
     started: float
     pid: int
     pid_created: float | None = None
+    node: int = 0
 
 
 class TaskResult(msgspec.Struct, kw_only=True):
@@ -132,6 +167,8 @@ class TaskResult(msgspec.Struct, kw_only=True):
     worker_id: str
     outcome: Outcome
     exit_code: int | None = None
+    node: int = 0
+    rank: int | None = None  # the rank whose exit decided it (distributed jobs)
     error: str | None = None  # why it could not run (prepare or spawn failed)
     stderr_tail: list[str] = []
     outputs: dict[str, ArtifactRef] = {}
@@ -167,9 +204,11 @@ def describe_failure(result: TaskResult) -> str | None:
     elif result.outcome == "cancelled":
         head = "cancelled"
     elif result.outcome == "lost":
-        head = "its worker stopped while it ran"
+        head = result.error or "its worker stopped while it ran"
     else:
         head = f"exited with code {result.exit_code}"
+    if result.rank is not None:
+        head = f"rank {result.rank} (node {result.node}, worker {result.worker_id}) {head}"
     tail = "\n".join(result.stderr_tail)
     missing = _missing(result)
     parts = [head, missing, f"stderr (last lines):\n{tail}" if tail else None]

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from . import defaults, jobs
@@ -29,7 +29,9 @@ from .jobs import (
     JobInfo,
     LogChunk,
     LogLine,
+    Rendezvous,
     RunTask,
+    TaskInfo,
     TaskResult,
     TaskStarted,
     WorkerInfo,
@@ -51,16 +53,46 @@ class _Pending:
 
 
 @dataclass
-class _Running:
+class _Task:
+    """One node's share of a running job (a job of one node has one)."""
+
+    node: int
     worker_id: str
-    attempt: int
     slots: tuple[int, ...]
+    gpus: tuple[int, ...]
+    started: bool = False  # its worker reported the process started
+    ended: bool = False  # its worker reported its end (or was lost)
+
+
+@dataclass
+class _Running:
+    attempt: int
     spec: JobSpec
     seq: int
-    gpus: tuple[int, ...]
-    marks: dict[str, float]  # submitted, placed
+    tasks: list[_Task]
+    marks: dict[str, float]  # submitted, placed; for gangs the latest start marks
     cancel_requested: bool = False
-    started: bool = False  # its worker reported the process started
+    # Jobs of several nodes end when every node has: meanwhile, the results
+    # so far (the earliest failure decides), the port node 0 reserved, and
+    # the numbering of log lines that arrive from several workers.
+    results: list[TaskResult] = field(default_factory=list)
+    master_port: int | None = None
+    log_seq: int = 0
+    log_seen: dict[int, int] = field(default_factory=dict)  # node -> its last line
+
+    @property
+    def worker_id(self) -> str:
+        return self.tasks[0].worker_id
+
+    @property
+    def started(self) -> bool:
+        return any(t.started for t in self.tasks)
+
+    def task_on(self, worker_id: str) -> _Task | None:
+        for task in self.tasks:
+            if task.worker_id == worker_id:
+                return task
+        return None
 
 
 class _Done:
@@ -152,11 +184,14 @@ class ControlPlane:
             self._enqueue(_Pending(request, spec, 0, now))
             try:
                 assignments = self._plan()
-                for a in assignments:
-                    if a.job_id == job.id:  # placed at once: stored placed, in one statement
-                        job.state, job.worker, job.attempt = jobs.RUNNING, a.worker_id, 1
-                        job.slots, job.gpus = list(a.slots), list(a.gpus)
-                        job.marks["placed"] = now
+                mine = [a for a in assignments if a.job_id == job.id]
+                if mine:  # placed at once: stored placed, in one statement
+                    first = mine[0]
+                    job.state, job.worker, job.attempt = jobs.RUNNING, first.worker_id, 1
+                    job.slots, job.gpus = list(first.slots), list(first.gpus)
+                    job.marks["placed"] = now
+                    if len(mine) > 1:
+                        job.tasks = _task_infos(mine)
                 with self.store.transaction() as tx:
                     tx.insert_job(job)
                     others = [a for a in assignments if a.job_id != job.id]
@@ -266,10 +301,7 @@ class ControlPlane:
                 run.cancel_requested = True
                 with self.store.transaction() as tx:
                     tx.request_cancel(job_id)
-                worker = self._workers.get(run.worker_id)
-                if worker is not None:
-                    worker.inbox.append(CancelTask(job_id=job_id, attempt=run.attempt))
-                    worker.wake.fire()
+                self._cancel_tasks(job_id, run)
             else:
                 job = self.store.get_job(job_id)
                 assert job is not None
@@ -404,23 +436,39 @@ class ControlPlane:
         with self._lock:
             worker = self._workers.get(info.id)
             lost: dict[str, _Running] = {}
+            gang_lost: list[str] = []  # tasks of jobs of several nodes it no longer has
             if worker is None:
                 worker = _LiveWorker(info=info, free=set(range(len(info.slot_gpus))), inbox=deque())
                 self._workers[info.id] = worker
             else:
                 worker.info, worker.connected, worker.closed = info, True, False
                 for job_id in list(worker.running):
-                    if (job_id, self._running[job_id].attempt) not in reported:
+                    run = self._running[job_id]
+                    if (job_id, run.attempt) in reported:
+                        continue
+                    if len(run.tasks) == 1:
                         lost[job_id] = self._release(job_id)
+                    else:
+                        gang_lost.append(job_id)
                 # Its slots are what it says now (it may have fewer), less
                 # those its re-attached tasks hold.
-                held = {s for job_id in worker.running for s in self._running[job_id].slots}
+                held = {
+                    s
+                    for job_id in worker.running
+                    for task in self._running[job_id].tasks
+                    if task.worker_id == info.id
+                    for s in task.slots
+                }
                 worker.free = set(range(len(info.slot_gpus))) - held
                 worker._capacity = None
             worker.last_seen = now
             for job_id, attempt in reported:
-                run = self._running.get(job_id)
-                if run is None or run.attempt != attempt or run.worker_id != info.id:
+                held_run = self._running.get(job_id)
+                if (
+                    held_run is None
+                    or held_run.attempt != attempt
+                    or held_run.task_on(info.id) is None
+                ):
                     worker.inbox.append(CancelTask(job_id=job_id, attempt=attempt))
             with self.store.transaction() as tx:
                 for job_id, run in lost.items():
@@ -434,6 +482,8 @@ class ControlPlane:
                 assignments = self._plan()
                 self._record(tx, assignments, now)
             self._dispatch(assignments, now)
+            for job_id in gang_lost:
+                self._node_lost(job_id, info.id, "its worker came back without it", now)
             if worker.inbox:
                 worker.wake.fire()
         return info
@@ -465,6 +515,10 @@ class ControlPlane:
             worker.closed = True
             worker.wake.fire()
             now = self._clock()
+            gangs = [j for j in worker.running if len(self._running[j].tasks) > 1]
+            for job_id in gangs:
+                self._node_lost(job_id, worker_id, reason, now)
+            worker.running.difference_update(gangs)
             lost = {job_id: self._release(job_id) for job_id in list(worker.running)}
             with self.store.transaction() as tx:
                 for job_id, run in lost.items():
@@ -526,26 +580,92 @@ class ControlPlane:
     def task_started(self, report: TaskStarted) -> None:
         with self._lock:
             run = self._running.get(report.job_id)
-            if run is None or run.attempt != report.attempt or run.worker_id != report.worker_id:
+            if run is None or run.attempt != report.attempt:
                 return  # a stale report from an attempt that already ended
-            run.started = True
+            task = run.task_on(report.worker_id)
+            if task is None or task.ended:
+                return
+            task.started = True
+            marks = {
+                "acquired": report.acquired,
+                "prepared": report.prepared,
+                "started": report.started,
+            }
+            node = None
+            if len(run.tasks) > 1:
+                # The job's stages end when its last node's do.
+                for key, value in marks.items():
+                    marks[key] = run.marks[key] = max(run.marks.get(key, value), value)
+                node = task.node
             with self.store.transaction() as tx:
                 tx.start(
                     report.job_id,
-                    marks={
-                        "acquired": report.acquired,
-                        "prepared": report.prepared,
-                        "started": report.started,
-                    },
+                    marks=marks,
                     pid=report.pid,
                     pid_created=report.pid_created,
+                    node=node,
                 )
 
-    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine]) -> None:
+    def task_rendezvous(self, job_id: str, attempt: int, worker_id: str, port: int) -> None:
+        """Node 0 of a distributed job reserved ``port``: tell the other nodes."""
+        with self._lock:
+            run = self._running.get(job_id)
+            if run is None or run.attempt != attempt or run.worker_id != worker_id:
+                return
+            run.master_port = port
+            for task in run.tasks[1:]:
+                worker = self._workers.get(task.worker_id)
+                if worker is not None and not task.ended:
+                    worker.inbox.append(
+                        Rendezvous(job_id=job_id, attempt=attempt, master_port=port)
+                    )
+                    worker.wake.fire()
+
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
         if not lines:
             return
+        with self._lock:
+            run = self._running.get(job_id)
+            gang = run is not None and len(run.tasks) > 1
+        if gang or node:
+            self._append_node_logs(job_id, attempt, lines, node)
+            return
+        if run is None:
+            job = self.store.get_job(job_id)
+            if job is not None and job.spec.nodes > 1:
+                return  # see _append_node_logs
         self.store.append_logs(job_id, attempt, lines)
         with self._lock:
+            signal = self._logs.get(job_id)
+            if signal is not None:
+                signal.fire()
+
+    def _append_node_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int) -> None:
+        """Lines from one node of a job of several: numbered here, in the order
+        they arrive, so that a reader's cursor never skips a slower node's.
+        A batch sent again (its reply was lost) is recognised by the node's
+        own numbering and not stored twice."""
+        with self._lock:
+            run = self._running.get(job_id)
+            if run is None or run.attempt != attempt:
+                # The attempt is over: its nodes were ended and reported, or
+                # declared lost; what a lost node says now is not kept.
+                log.debug(
+                    "dropping %d log lines of ended attempt %s/%d", len(lines), job_id, attempt
+                )
+                return
+            seen = run.log_seen.get(node, 0)
+            fresh = [line for line in lines if line.seq > seen]
+            if not fresh:
+                return
+            run.log_seen[node] = fresh[-1].seq
+            base = run.log_seq
+            numbered = [
+                LogLine(base + i, line.ts, line.stream, line.text, line.rank)
+                for i, line in enumerate(fresh, 1)
+            ]
+            run.log_seq = base + len(numbered)
+            self.store.append_logs(job_id, attempt, numbered)
             signal = self._logs.get(job_id)
             if signal is not None:
                 signal.fire()
@@ -554,66 +674,135 @@ class ControlPlane:
         now = self._clock()
         with self._lock:
             run = self._running.get(result.job_id)
-            if run is None or run.attempt != result.attempt or run.worker_id != result.worker_id:
+            if run is None or run.attempt != result.attempt:
                 return  # already ended (e.g. declared lost); never apply twice
-            cancel = run.cancel_requested
-            if not cancel and not (result.outcome == "exited" and result.exit_code == 0):
-                # A cancel from another process on this home is only in the store.
-                stored = self.store.get_job(result.job_id)
-                cancel = cancel or bool(stored and stored.cancel_requested)
-            state, again = jobs.next_state(
-                result,
-                cancel_requested=cancel,
-                attempt=run.attempt,
-                max_retries=run.spec.max_retries,
-            )
-            reason = "cancelled" if state == jobs.CANCELLED else jobs.describe_failure(result)
-            marks = dict(result.marks)
-            marks["finished"] = now
-            self._release(result.job_id)
-            if again:
-                self._requeue(result.job_id, run)
-            assignments = self._plan()
-            with self.store.transaction() as tx:
-                if again:
-                    tx.requeue(
-                        result.job_id,
-                        reason=f"retrying after attempt {run.attempt} {state}: {reason}",
-                        owner=self.instance_id,
-                    )
-                else:
-                    tx.finish(
-                        result.job_id,
-                        state=state,
-                        exit_code=result.exit_code,
-                        reason=reason,
-                        marks=marks,
-                        outputs=result.outputs,
-                    )
-                self._record(tx, assignments, now)
-            self._dispatch(assignments, now)
-            if not again:
-                final = JobInfo(
-                    id=result.job_id,
-                    spec=run.spec,
-                    state=state,
-                    seq=run.seq,
-                    attempt=run.attempt,
-                    owner=self.instance_id,
-                    worker=run.worker_id,
-                    slots=list(run.slots),
-                    gpus=list(run.gpus),
-                    exit_code=result.exit_code,
-                    reason=reason,
-                    cancel_requested=cancel,
-                    marks={**run.marks, **marks},
-                    outputs=result.outputs,
-                )
-                self._signal_done(result.job_id, final)
-        if not again and yield_to_waiters:
+            if len(run.tasks) == 1:
+                if run.worker_id != result.worker_id:
+                    return
+                final = self._conclude(result.job_id, run, result, now)
+            else:
+                task = run.task_on(result.worker_id)
+                if task is None or task.ended:
+                    return
+                final = self._task_ended(result.job_id, run, task, result, now)
+        if final and yield_to_waiters:
             # Hand the interpreter to the woken client now rather than after
             # this worker's own tidying up: the client is the one waiting.
             os.sched_yield()
+
+    def _conclude(self, job_id: str, run: _Running, result: TaskResult, now: float) -> bool:
+        """The attempt ended with ``result``: finish the job or queue it again.
+        Returns whether the job is final."""
+        cancel = run.cancel_requested
+        if not cancel and not (result.outcome == "exited" and result.exit_code == 0):
+            # A cancel from another process on this home is only in the store.
+            stored = self.store.get_job(job_id)
+            cancel = cancel or bool(stored and stored.cancel_requested)
+        state, again = jobs.next_state(
+            result,
+            cancel_requested=cancel,
+            attempt=run.attempt,
+            max_retries=run.spec.max_retries,
+        )
+        reason = "cancelled" if state == jobs.CANCELLED else jobs.describe_failure(result)
+        marks = dict(result.marks)
+        if len(run.tasks) > 1:
+            # Its stages span every node: started when the last started,
+            # exited when the last exited.
+            marks.update(
+                {k: run.marks[k] for k in ("acquired", "prepared", "started") if k in run.marks}
+            )
+            exits = [r.marks["exited"] for r in run.results if "exited" in r.marks]
+            if exits:
+                marks["exited"] = max(exits)
+        marks["finished"] = now
+        self._release(job_id)
+        if again:
+            self._requeue(job_id, run)
+        assignments = self._plan()
+        with self.store.transaction() as tx:
+            if again:
+                tx.requeue(
+                    job_id,
+                    reason=f"retrying after attempt {run.attempt} {state}: {reason}",
+                    owner=self.instance_id,
+                )
+            else:
+                tx.finish(
+                    job_id,
+                    state=state,
+                    exit_code=result.exit_code,
+                    reason=reason,
+                    marks=marks,
+                    outputs=result.outputs,
+                )
+            self._record(tx, assignments, now)
+        self._dispatch(assignments, now)
+        if not again:
+            first = run.tasks[0]
+            final = JobInfo(
+                id=job_id,
+                spec=run.spec,
+                state=state,
+                seq=run.seq,
+                attempt=run.attempt,
+                owner=self.instance_id,
+                worker=first.worker_id,
+                slots=list(first.slots),
+                gpus=list(first.gpus),
+                exit_code=result.exit_code,
+                reason=reason,
+                cancel_requested=cancel,
+                marks={**run.marks, **marks},
+                outputs=result.outputs,
+                tasks=_task_infos(run.tasks) if len(run.tasks) > 1 else [],
+            )
+            self._signal_done(job_id, final)
+        return not again
+
+    def _task_ended(
+        self, job_id: str, run: _Running, task: _Task, result: TaskResult, now: float
+    ) -> bool:
+        """One node of a job of several ended. The first failure ends the
+        other nodes; the job ends with its last node. Returns whether the job
+        is final."""
+        task.ended = True
+        self._release_task(job_id, task)
+        run.results.append(result)
+        failed = not (result.outcome == "exited" and result.exit_code == 0)
+        if failed and result.outcome != "cancelled" and len(_failures(run)) == 1:
+            self._cancel_tasks(job_id, run)
+        if all(t.ended for t in run.tasks):
+            return self._conclude(job_id, run, _decisive(run), now)
+        # Its slots are free: something else may fit now.
+        assignments = self._plan()
+        if assignments:
+            with self.store.transaction() as tx:
+                self._record(tx, assignments, now)
+            self._dispatch(assignments, now)
+        return False
+
+    def _node_lost(self, job_id: str, worker_id: str, reason: str, now: float) -> None:
+        run = self._running.get(job_id)
+        task = run.task_on(worker_id) if run is not None else None
+        if run is None or task is None or task.ended:
+            return
+        result = TaskResult(
+            job_id=job_id,
+            attempt=run.attempt,
+            worker_id=worker_id,
+            outcome="lost",
+            error=reason,
+            node=task.node,
+        )
+        self._task_ended(job_id, run, task, result, now)
+
+    def _cancel_tasks(self, job_id: str, run: _Running) -> None:
+        for task in run.tasks:
+            worker = self._workers.get(task.worker_id)
+            if worker is not None and not task.ended:
+                worker.inbox.append(CancelTask(job_id=job_id, attempt=run.attempt))
+                worker.wake.fire()
 
     # ---- recovery ------------------------------------------------------
 
@@ -635,8 +824,12 @@ class ControlPlane:
                 self._adopt_workers(dead_instance, running, now)
             elif self._kill_orphan is not None:
                 for job in running:
-                    if job.pid is not None:
-                        self._kill_orphan(job.pid, job.pid_created)
+                    pids = {(job.pid, job.pid_created)} | {
+                        (t.pid, t.pid_created) for t in job.tasks
+                    }
+                    for pid, created in pids:
+                        if pid is not None:
+                            self._kill_orphan(pid, created)
             with self.store.transaction() as tx:
                 for job in running:
                     touched.append(job.id)
@@ -675,38 +868,52 @@ class ControlPlane:
         for job in running:
             if job.worker is None:
                 continue
-            info = known.get(job.worker)
-            if info is None:  # no record: enough slots to hold what it ran
-                info = WorkerInfo(
-                    id=job.worker,
-                    name=job.worker,
-                    host="?",
-                    slot_gpus=[None] * (max(job.slots, default=0) + 1),
+            placed = job.tasks or [
+                TaskInfo(node=0, worker=job.worker, slots=job.slots, gpus=job.gpus, pid=job.pid)
+            ]
+            tasks = []
+            for placement in placed:
+                info = known.get(placement.worker)
+                if info is None:  # no record: enough slots to hold what it ran
+                    info = WorkerInfo(
+                        id=placement.worker,
+                        name=placement.worker,
+                        host="?",
+                        slot_gpus=[None] * (max(placement.slots, default=0) + 1),
+                    )
+                    known[placement.worker] = info
+                worker = self._workers.get(info.id)
+                if worker is None:
+                    info.instance = self.instance_id
+                    worker = _LiveWorker(
+                        info=info,
+                        free=set(range(len(info.slot_gpus))),
+                        inbox=deque(),
+                        connected=False,
+                        last_seen=now,
+                    )
+                    self._workers[info.id] = worker
+                worker.free.difference_update(placement.slots)
+                worker.running.add(job.id)
+                tasks.append(
+                    _Task(
+                        placement.node,
+                        info.id,
+                        tuple(placement.slots),
+                        tuple(placement.gpus),
+                        started=placement.pid is not None or "started" in job.marks,
+                    )
                 )
-                known[job.worker] = info
-            worker = self._workers.get(info.id)
-            if worker is None:
-                info.instance = self.instance_id
-                worker = _LiveWorker(
-                    info=info,
-                    free=set(range(len(info.slot_gpus))),
-                    inbox=deque(),
-                    connected=False,
-                    last_seen=now,
-                )
-                self._workers[info.id] = worker
-            worker.free.difference_update(job.slots)
-            worker.running.add(job.id)
-            self._running[job.id] = _Running(
-                info.id,
+            run = _Running(
                 job.attempt,
-                tuple(job.slots),
                 job.spec,
                 job.seq,
-                tuple(job.gpus),
+                tasks,
                 {k: v for k, v in job.marks.items() if k in ("submitted", "placed")},
-                started="started" in job.marks,
             )
+            if len(tasks) > 1:  # go on numbering its log lines after those stored
+                run.log_seq = self.store.last_log_seq(job.id, job.attempt)
+            self._running[job.id] = run
         for info in known.values():
             if info.id not in self._workers:
                 info.instance = self.instance_id
@@ -747,7 +954,8 @@ class ControlPlane:
         """Store placements. One whose job is no longer queued in the store (a
         cancel from another process) is dropped from the queue and from
         ``assignments``, so it is not dispatched."""
-        for a in list(assignments):
+        for group in _by_job(assignments):
+            a = group[0]
             pending = self._queue[a.job_id]
             placed = tx.place(
                 a.job_id,
@@ -756,48 +964,65 @@ class ControlPlane:
                 gpus=a.gpus,
                 attempt=pending.attempt + 1,
                 at=now,
+                tasks=_task_infos(group) if len(group) > 1 else (),
             )
             if not placed:
-                assignments.remove(a)
+                for gone in group:
+                    assignments.remove(gone)
                 self._dequeue(a.job_id)
                 self._signal_done(a.job_id)
 
     def _dispatch(self, assignments: list[Assignment], now: float) -> None:
         """Apply committed placements in memory and wake the chosen workers."""
-        for a in assignments:
-            pending = self._dequeue(a.job_id)
+        for group in _by_job(assignments):
+            job_id = group[0].job_id
+            pending = self._dequeue(job_id)
             attempt = pending.attempt + 1
-            worker = self._workers[a.worker_id]
-            worker.free.difference_update(a.slots)
-            worker.running.add(a.job_id)
-            self._running[a.job_id] = _Running(
-                a.worker_id,
+            spec = pending.spec
+            tasks = [_Task(node, a.worker_id, a.slots, a.gpus) for node, a in enumerate(group)]
+            self._running[job_id] = _Running(
                 attempt,
-                a.slots,
-                pending.spec,
+                spec,
                 pending.request.seq,
-                a.gpus,
+                tasks,
                 {"submitted": pending.submitted, "placed": now},
             )
-            worker.inbox.append(
-                RunTask(
-                    placed=now,
-                    job_id=a.job_id,
-                    attempt=attempt,
-                    spec=pending.spec,
-                    slots=list(a.slots),
-                    gpus=list(a.gpus),
+            # Rank 0 listens on node 0, at the address its worker advertises.
+            master = None
+            if spec.distributed:
+                master = (
+                    self._workers[tasks[0].worker_id].info.address if len(tasks) > 1 else None
+                ) or "127.0.0.1"
+            for task in tasks:
+                worker = self._workers[task.worker_id]
+                worker.free.difference_update(task.slots)
+                worker.running.add(job_id)
+                worker.inbox.append(
+                    RunTask(
+                        placed=now,
+                        job_id=job_id,
+                        attempt=attempt,
+                        spec=spec,
+                        slots=list(task.slots),
+                        gpus=list(task.gpus),
+                        node=task.node,
+                        master_addr=master,
+                    )
                 )
-            )
-            worker.wake.fire()
+                worker.wake.fire()
 
     def _release(self, job_id: str) -> _Running:
         run = self._running.pop(job_id)
-        worker = self._workers.get(run.worker_id)
-        if worker is not None:
-            worker.free.update(run.slots)
-            worker.running.discard(job_id)
+        for task in run.tasks:
+            if not task.ended:
+                self._release_task(job_id, task)
         return run
+
+    def _release_task(self, job_id: str, task: _Task) -> None:
+        worker = self._workers.get(task.worker_id)
+        if worker is not None:
+            worker.free.update(task.slots)
+            worker.running.discard(job_id)
 
     def _requeue(self, job_id: str, run: _Running) -> None:
         spec = run.spec
@@ -830,3 +1055,49 @@ class ControlPlane:
         logs = self._logs.pop(job_id, None)
         if logs is not None:
             logs.fire()
+
+
+def _by_job(assignments: list[Assignment]) -> list[list[Assignment]]:
+    """Assignments grouped by job: a gang's tasks come together, node 0 first."""
+    groups: list[list[Assignment]] = []
+    for a in assignments:
+        if groups and groups[-1][0].job_id == a.job_id:
+            groups[-1].append(a)
+        else:
+            groups.append([a])
+    return groups
+
+
+def _task_infos(placed: Sequence[Assignment | _Task]) -> list[TaskInfo]:
+    return [
+        TaskInfo(node=node, worker=item.worker_id, slots=list(item.slots), gpus=list(item.gpus))
+        for node, item in enumerate(placed)
+    ]
+
+
+def _failures(run: _Running) -> list[TaskResult]:
+    """Node results that can have ended the job: not its own success, and
+    not an end it was sent (a cancel)."""
+    return [
+        r
+        for r in run.results
+        if not (r.outcome == "exited" and r.exit_code == 0) and r.outcome != "cancelled"
+    ]
+
+
+def _decisive(run: _Running) -> TaskResult:
+    """The result a job of several nodes ends with.
+
+    The first failure is the cause: when one rank dies its peers usually fail
+    after it (a connection closed under them) or are ended by us. A node
+    whose worker vanished comes first, since its ranks' end is unknown.
+    """
+    failures = _failures(run)
+    if failures:
+        return min(
+            failures, key=lambda r: (r.outcome != "lost", r.marks.get("exited", float("inf")))
+        )
+    cancelled = [r for r in run.results if r.outcome == "cancelled"]
+    if cancelled:
+        return cancelled[0]
+    return next(r for r in run.results if r.node == 0)

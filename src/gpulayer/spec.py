@@ -21,6 +21,8 @@ Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 LAUNCHERS = ("direct", "torchrun")
+MAX_NODES = 1024
+MAX_PROCS_PER_NODE = 256
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -57,6 +59,15 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
     name: str | None = None
     labels: dict[str, str] = {}
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    @property
+    def distributed(self) -> bool:
+        """Whether its ranks are wired up (rank variables, a master port)."""
+        return self.world_size > 1 or self.launcher == "torchrun"
 
 
 _CHOICES = {"launcher": LAUNCHERS}
@@ -106,11 +117,17 @@ def check_spec(spec: JobSpec) -> None:
             raise SpecError(f"env.{key}", "not a valid environment variable name")
     if spec.name is not None and not spec.name.strip():
         raise SpecError("name", "must not be blank")
-    if spec.nodes > 1 or spec.procs_per_node > 1:
+    if spec.nodes > MAX_NODES:
+        raise SpecError("nodes", f"at most {MAX_NODES} nodes, got {spec.nodes}")
+    if spec.procs_per_node > MAX_PROCS_PER_NODE:
         raise SpecError(
-            "nodes",
-            f"distributed jobs (nodes={spec.nodes}, procs_per_node={spec.procs_per_node}) "
-            "need the distributed launcher, which this version does not have yet",
+            "procs_per_node", f"at most {MAX_PROCS_PER_NODE} per node, got {spec.procs_per_node}"
+        )
+    if 0 < spec.gpus < spec.procs_per_node:
+        raise SpecError(
+            "procs_per_node",
+            f"{spec.procs_per_node} ranks per node cannot each have a GPU of the {spec.gpus} "
+            "asked for (gpus is per node); ask for gpus >= procs_per_node, or gpus=0 for CPU ranks",
         )
 
 

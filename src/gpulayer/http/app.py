@@ -41,6 +41,7 @@ from .schemas import (
     HeartbeatRequest,
     LogBatch,
     RegisterRequest,
+    RendezvousReport,
     SubmitRequest,
     TokenRequest,
     TokenResponse,
@@ -357,7 +358,14 @@ class Api:
 
     async def task_logs(self, request: Request) -> Response:
         batch = await _body(request, LogBatch)
-        self.plane.append_logs(batch.job_id, batch.attempt, batch.lines)
+        self.plane.append_logs(batch.job_id, batch.attempt, batch.lines, batch.node)
+        return Response(status_code=204)
+
+    async def task_rendezvous(self, request: Request) -> Response:
+        report = await _body(request, RendezvousReport)
+        self.plane.task_rendezvous(
+            report.job_id, report.attempt, report.worker_id, report.master_port
+        )
         return Response(status_code=204)
 
     async def task_finished(self, request: Request) -> Response:
@@ -436,6 +444,7 @@ def create_app(
         ("POST", f"{v1}/workers/{{worker_id}}/acquire", g(worker, api.acquire, ("timeout",))),
         ("POST", f"{v1}/tasks/started", g(worker, api.task_started)),
         ("POST", f"{v1}/tasks/logs", g(worker, api.task_logs)),
+        ("POST", f"{v1}/tasks/rendezvous", g(worker, api.task_rendezvous)),
         ("POST", f"{v1}/tasks/finished", g(worker, api.task_finished)),
         ("POST", f"{v1}/blobs/missing", g(both, api.missing_blobs)),
         ("PUT", f"{v1}/blobs/{{digest:str}}", g(both, api.put_blob)),

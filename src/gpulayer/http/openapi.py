@@ -16,6 +16,7 @@ from .schemas import (
     HeartbeatRequest,
     LogBatch,
     RegisterRequest,
+    RendezvousReport,
     SubmitRequest,
     TokenRequest,
     TokenResponse,
@@ -98,6 +99,14 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
     ),
     ("post", "/api/v1/tasks/started", "A task's process started", TaskStarted, None, {}),
     ("post", "/api/v1/tasks/logs", "A batch of a task's log lines", LogBatch, None, {}),
+    (
+        "post",
+        "/api/v1/tasks/rendezvous",
+        "Node 0 of a distributed job reserved its master port",
+        RendezvousReport,
+        None,
+        {},
+    ),
     ("post", "/api/v1/tasks/finished", "A task ended", TaskResult, None, {}),
     (
         "post",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -34,6 +34,14 @@ class LogBatch(msgspec.Struct, forbid_unknown_fields=True):
     job_id: str
     attempt: int
     lines: list[LogLine]
+    node: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class RendezvousReport(msgspec.Struct, forbid_unknown_fields=True):
+    job_id: str
+    attempt: int
+    worker_id: str
+    master_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
 class TokenRequest(msgspec.Struct, forbid_unknown_fields=True):

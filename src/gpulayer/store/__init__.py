@@ -12,7 +12,7 @@ import abc
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 
-from ..jobs import JobInfo, LogLine, WorkerInfo
+from ..jobs import JobInfo, LogLine, TaskInfo, WorkerInfo
 from ..spec import ArtifactRef
 
 
@@ -32,13 +32,24 @@ class Transaction(abc.ABC):
         gpus: Sequence[int],
         attempt: int,
         at: float,
+        tasks: Sequence[TaskInfo] = (),
     ) -> bool:
-        """Mark a queued job placed; False if it is no longer queued."""
+        """Mark a queued job placed; False if it is no longer queued.
+
+        ``worker``, ``slots`` and ``gpus`` are its (first) task's; a job of
+        several nodes also passes every task in ``tasks``."""
 
     @abc.abstractmethod
     def start(
-        self, job_id: str, *, marks: dict[str, float], pid: int, pid_created: float | None
-    ) -> None: ...
+        self,
+        job_id: str,
+        *,
+        marks: dict[str, float],
+        pid: int,
+        pid_created: float | None,
+        node: int | None = None,
+    ) -> None:
+        """A task's process started (``node`` for a job of several nodes)."""
 
     @abc.abstractmethod
     def finish(
@@ -95,6 +106,10 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def append_logs(self, job_id: str, attempt: int, lines: Sequence[LogLine]) -> None: ...
+
+    @abc.abstractmethod
+    def last_log_seq(self, job_id: str, attempt: int) -> int:
+        """The number of the last line stored for an attempt (0: none)."""
 
     @abc.abstractmethod
     def read_logs(

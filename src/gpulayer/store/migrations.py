@@ -83,6 +83,12 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )
         """,
     ),
+    # 3: the tasks of jobs of several nodes (JSON, one entry per node).
+    (
+        """
+        ALTER TABLE jobs ADD COLUMN tasks TEXT
+        """,
+    ),
 )
 
 LATEST = len(MIGRATIONS)

@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from ..errors import StoreError
-from ..jobs import JobInfo, LogLine, WorkerInfo
+from ..jobs import JobInfo, LogLine, TaskInfo, WorkerInfo
 from ..spec import ArtifactRef, JobSpec
 from . import Store, Transaction
 from .migrations import LATEST, MIGRATIONS
@@ -28,10 +28,11 @@ _decode_marks = msgspec.json.Decoder(dict[str, float]).decode
 _decode_ints = msgspec.json.Decoder(list[int]).decode
 _decode_worker = msgspec.json.Decoder(WorkerInfo).decode
 _decode_lines = msgspec.json.Decoder(list[LogLine]).decode
+_decode_tasks = msgspec.json.Decoder(list[TaskInfo]).decode
 
 _JOB_COLUMNS = (
     "id, seq, state, spec, attempt, owner, worker, slots, gpus, exit_code, reason, "
-    "cancel_requested, pid, pid_created, marks"
+    "cancel_requested, pid, pid_created, marks, tasks"
 )
 
 
@@ -52,6 +53,7 @@ def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> J
         pid,
         pcreated,
         marks,
+        tasks,
     ) = row
     return JobInfo(
         id=str(jid),
@@ -70,6 +72,7 @@ def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> J
         pid_created=pcreated,  # type: ignore[arg-type]
         marks=_decode_marks(marks),  # type: ignore[arg-type]
         outputs=outputs,
+        tasks=_decode_tasks(tasks) if tasks else [],  # type: ignore[arg-type]
     )
 
 
@@ -79,8 +82,8 @@ class _SqliteTransaction(Transaction):
 
     def insert_job(self, job: JobInfo) -> None:
         self.db.execute(
-            "INSERT INTO jobs (id, seq, name, state, priority, spec, attempt, owner, worker, slots, gpus, marks) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            "INSERT INTO jobs (id, seq, name, state, priority, spec, attempt, owner, worker, slots, gpus, marks, tasks) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 job.id,
                 job.seq,
@@ -94,6 +97,7 @@ class _SqliteTransaction(Transaction):
                 _encode(job.slots),
                 _encode(job.gpus),
                 _encode(job.marks),
+                _encode(job.tasks).decode() if job.tasks else None,
             ),
         )
 
@@ -106,24 +110,59 @@ class _SqliteTransaction(Transaction):
         gpus: Sequence[int],
         attempt: int,
         at: float,
+        tasks: Sequence[TaskInfo] = (),
     ) -> bool:
         # Only a job still queued: another process may have cancelled it.
         return (
             self.db.execute(
-                "UPDATE jobs SET state='running', worker=?, slots=?, gpus=?, attempt=?, "
+                "UPDATE jobs SET state='running', worker=?, slots=?, gpus=?, attempt=?, tasks=?, "
                 "exit_code=NULL, marks=json_set(marks, '$.placed', json(?)) WHERE id=? AND state='queued'",
                 # Numbers go in as JSON text: SQLite renders bound REALs with 15 digits.
-                (worker, _encode(list(slots)), _encode(list(gpus)), attempt, _encode(at), job_id),
+                (
+                    worker,
+                    _encode(list(slots)),
+                    _encode(list(gpus)),
+                    attempt,
+                    _encode(list(tasks)).decode() if tasks else None,
+                    _encode(at),
+                    job_id,
+                ),
             ).rowcount
             == 1
         )
 
     def start(
-        self, job_id: str, *, marks: dict[str, float], pid: int, pid_created: float | None
+        self,
+        job_id: str,
+        *,
+        marks: dict[str, float],
+        pid: int,
+        pid_created: float | None,
+        node: int | None = None,
     ) -> None:
+        if node is None:
+            self.db.execute(
+                "UPDATE jobs SET pid=?, pid_created=?, marks=json_patch(marks, ?) WHERE id=?",
+                (pid, pid_created, _encode(marks), job_id),
+            )
+            return
+        # A node of a distributed job: its process goes in its task's entry.
+        path = f"$[{int(node)}]"
         self.db.execute(
-            "UPDATE jobs SET pid=?, pid_created=?, marks=json_patch(marks, ?) WHERE id=?",
-            (pid, pid_created, _encode(marks), job_id),
+            f"UPDATE jobs SET tasks=json_set(tasks, '{path}.pid', ?, '{path}.pid_created', json(?)), "
+            "pid=CASE WHEN ?=0 THEN ? ELSE pid END, "
+            "pid_created=CASE WHEN ?=0 THEN ? ELSE pid_created END, "
+            "marks=json_patch(marks, ?) WHERE id=?",
+            (
+                pid,
+                _encode(pid_created).decode(),
+                node,
+                pid,
+                node,
+                pid_created,
+                _encode(marks),
+                job_id,
+            ),
         )
 
     def finish(
@@ -150,7 +189,7 @@ class _SqliteTransaction(Transaction):
     def requeue(self, job_id: str, *, reason: str | None, owner: str) -> None:
         # Marks after 'submitted' describe the attempt that ended; start afresh.
         self.db.execute(
-            "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, pid_created=NULL, owner=?, "
+            "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, pid_created=NULL, tasks=NULL, owner=?, "
             "reason=?, marks=json_object('submitted', json_extract(marks, '$.submitted')) WHERE id=?",
             (owner, reason, job_id),
         )
@@ -321,6 +360,14 @@ class SqliteStore(Store):
                 "VALUES (?,?,?,?,?)",
                 (job_id, attempt, lines[0].seq, lines[-1].seq, _encode(lines)),
             )
+
+    def last_log_seq(self, job_id: str, attempt: int) -> int:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT MAX(last_seq) FROM log_batches WHERE job_id=? AND attempt=?",
+                (job_id, attempt),
+            ).fetchone()
+        return int(row[0] or 0)
 
     def read_logs(
         self, job_id: str, after: tuple[int, int] = (0, 0), limit: int = 10_000

@@ -89,7 +89,13 @@ class Transport(abc.ABC):
     def task_started(self, report: TaskStarted) -> None: ...
 
     @abc.abstractmethod
-    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine]) -> None: ...
+    def task_rendezvous(self, job_id: str, attempt: int, worker_id: str, port: int) -> None:
+        """Node 0 of a distributed job tells the port its rank 0 will listen on."""
+
+    @abc.abstractmethod
+    def append_logs(
+        self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0
+    ) -> None: ...
 
     @abc.abstractmethod
     def task_finished(self, result: TaskResult) -> None: ...

@@ -321,8 +321,17 @@ class HttpTransport(Transport):
     def task_started(self, report: TaskStarted) -> None:
         self._post("/api/v1/tasks/started", report)
 
-    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine]) -> None:
-        self._post("/api/v1/tasks/logs", {"job_id": job_id, "attempt": attempt, "lines": lines})
+    def task_rendezvous(self, job_id: str, attempt: int, worker_id: str, port: int) -> None:
+        self._post(
+            "/api/v1/tasks/rendezvous",
+            {"job_id": job_id, "attempt": attempt, "worker_id": worker_id, "master_port": port},
+        )
+
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
+        batch: dict[str, object] = {"job_id": job_id, "attempt": attempt, "lines": lines}
+        if node:
+            batch["node"] = node
+        self._post("/api/v1/tasks/logs", batch)
 
     def task_finished(self, result: TaskResult) -> None:
         self._post("/api/v1/tasks/finished", result)

@@ -86,8 +86,11 @@ class InProcessTransport(Transport):
     def task_started(self, report: TaskStarted) -> None:
         self.plane.task_started(report)
 
-    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine]) -> None:
-        self.plane.append_logs(job_id, attempt, lines)
+    def task_rendezvous(self, job_id: str, attempt: int, worker_id: str, port: int) -> None:
+        self.plane.task_rendezvous(job_id, attempt, worker_id, port)
+
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
+        self.plane.append_logs(job_id, attempt, lines, node)
 
     def task_finished(self, result: TaskResult) -> None:
         self.plane.task_finished(result)

@@ -26,21 +26,23 @@ from ..jobs import LogLine
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[str, int, list[LogLine]], None]
+# (job id, attempt, lines[, node]): the node only for a job of several nodes.
+Send = Callable[..., None]
 
 
 class TaskLog:
-    def __init__(self, sender: LogSender, job_id: str, attempt: int) -> None:
+    def __init__(self, sender: LogSender, job_id: str, attempt: int, node: int = 0) -> None:
         self.sender = sender
         self.job_id = job_id
         self.attempt = attempt
+        self.node = node
         self.pending: deque[LogLine] = deque()
         self.seq = 0
         self.dropped = 0
         self.closed = False
         self._send_lock = threading.Lock()  # one batch of this task in flight at a time
 
-    def add(self, stream: str, text: str) -> None:
+    def add(self, stream: str, text: str, rank: int | None = None) -> None:
         sender = self.sender
         with sender.cond:
             self.seq += 1
@@ -58,7 +60,7 @@ class TaskLog:
             if len(self.pending) >= sender.max_lines:
                 self.pending.popleft()
                 self.dropped += 1
-            self.pending.append(LogLine(self.seq, time.time(), stream, text))  # type: ignore[arg-type]
+            self.pending.append(LogLine(self.seq, time.time(), stream, text, rank))  # type: ignore[arg-type]
             if not sender.dirty:
                 sender.dirty = True
                 sender.cond.notify()
@@ -105,8 +107,8 @@ class LogSender:
         self._thread = threading.Thread(target=self._run, name="gpulayer-log-sender", daemon=True)
         self._thread.start()
 
-    def open(self, job_id: str, attempt: int) -> TaskLog:
-        task = TaskLog(self, job_id, attempt)
+    def open(self, job_id: str, attempt: int, node: int = 0) -> TaskLog:
+        task = TaskLog(self, job_id, attempt, node)
         with self.cond:
             self._tasks.add(task)
         return task
@@ -128,7 +130,7 @@ class LogSender:
                 lines = task.take()
             if lines:
                 try:
-                    self._send(task.job_id, task.attempt, lines)
+                    self._deliver_now(task, lines)
                 except Exception:
                     with self.cond:
                         task.pending.extendleft(reversed(lines[-self.max_lines :]))
@@ -145,9 +147,15 @@ class LogSender:
             if lines:
                 self._deliver(task, lines)
 
+    def _deliver_now(self, task: TaskLog, lines: list[LogLine]) -> None:
+        if task.node:
+            self._send(task.job_id, task.attempt, lines, task.node)
+        else:
+            self._send(task.job_id, task.attempt, lines)
+
     def _deliver(self, task: TaskLog, lines: list[LogLine]) -> None:
         try:
-            self._send(task.job_id, task.attempt, lines)
+            self._deliver_now(task, lines)
             self.healthy = True
         except Exception as exc:
             # Keep the lines (within the bound) for the next batch; say so

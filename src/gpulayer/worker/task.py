@@ -13,12 +13,19 @@ The steps, each timestamped for the job's timings:
 
 Cancel and timeout end the whole process tree: SIGTERM, a grace period,
 then SIGKILL (``process.terminate_tree``).
+
+A task of a distributed job starts its node's ranks (``launch.py``): all of
+them directly, or one torchrun agent. Node 0 reserves the master port before
+it prepares and reports it, so the other nodes, preparing meanwhile, learn it
+from the control plane. When a rank fails, the node's other ranks are ended
+and the task reports that rank, its exit code and its stderr.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -34,9 +41,17 @@ from ..jobs import Outcome, RunTask, TaskResult, TaskStarted
 from ..spec import ArtifactRef
 from ..transport import Transport
 from .gpus import Vendor, visible_devices_env
+from .launch import (
+    rank_env,
+    reserve_port,
+    split_rank,
+    torchrun_argv,
+    torchrun_env,
+    torchrun_failure,
+)
 from .logs import LogSender, TaskLog
 from .process import process_create_time, spawn, terminate_tree
-from .watch import watch
+from .watch import watch_all
 from .workspace import collect_outputs, prepare
 
 log = logging.getLogger(__name__)
@@ -79,12 +94,20 @@ class TaskRun:
         self.defer_started = defer_started
         self._lock = threading.Lock()
         self._ending: Outcome | None = None  # why we are ending it early, if we are
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._procs: list[subprocess.Popen[bytes]] = []  # its process, or its node's ranks
+        self._ranks: list[int | None] = [None]  # the rank each of them runs
         self._tasklog: TaskLog | None = None
         self._early: TaskResult | None = None  # the result when it never ran
-        self._terminator: threading.Thread | None = None  # ending the tree on cancel/timeout
+        self._terminators: list[threading.Thread] = []  # ending trees on cancel/timeout/failure
         self._cwd = task_dir
         self._stderr_tail: deque[str] = deque(maxlen=defaults.STDERR_TAIL_LINES)
+        self._rank_tails: dict[int, deque[str]] = {}
+        # Distributed jobs: the master port (reserved here on node 0, given
+        # by a Rendezvous elsewhere) and the first rank of this node to fail.
+        self._port_sock: socket.socket | None = None
+        self._master_port = task.master_port
+        self._rendezvous = threading.Event()
+        self._failed: tuple[int | None, int] | None = None
         self.thread = threading.Thread(
             target=self._run, name=f"gpulayer-task-{task.job_id}", daemon=True
         )
@@ -101,7 +124,7 @@ class TaskRun:
         without waiting for a new thread to be scheduled first.
         """
         spec = self.task.spec
-        if spec.bundle is None and not spec.inputs:
+        if spec.bundle is None and not spec.inputs and not spec.distributed:
             self._launch_guarded()
         self.thread.start()
 
@@ -111,28 +134,40 @@ class TaskRun:
             if self._ending is not None:
                 return
             self._ending = why
-            proc = self._proc
-        if proc is not None:
-            self._terminator = threading.Thread(
+            procs = list(self._procs)
+        self._rendezvous.set()  # a node waiting for its master port waits no more
+        self._terminate(procs)
+
+    def set_master_port(self, port: int) -> None:
+        """Node 0 of this job reserved ``port`` (a Rendezvous arrived)."""
+        self._master_port = port
+        self._rendezvous.set()
+
+    def _terminate(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        """End these process trees, all at once, each with its grace period."""
+        for proc in procs:
+            thread = threading.Thread(
                 target=terminate_tree, args=(proc,), kwargs={"grace": self.kill_grace}, daemon=True
             )
-            self._terminator.start()
+            self._terminators.append(thread)
+            thread.start()
 
     def _result(self, outcome: Outcome, **fields: object) -> TaskResult:
+        fields.setdefault("stderr_tail", list(self._stderr_tail))
         return TaskResult(
             job_id=self.task.job_id,
             attempt=self.task.attempt,
             worker_id=self.worker_id,
             outcome=outcome,
             marks=self.marks,
-            stderr_tail=list(self._stderr_tail),
+            node=self.task.node,
             **fields,  # type: ignore[arg-type]
         )
 
     def _launch_guarded(self) -> None:
-        self._tasklog = self.logs.open(self.task.job_id, self.task.attempt)
+        self._tasklog = self.logs.open(self.task.job_id, self.task.attempt, self.task.node)
         try:
-            self._proc = self._launch()
+            self._launch()
         except Exception as exc:  # prepare or spawn failed: the job could not run
             log.debug("task %s could not run", self.task.job_id, exc_info=True)
             self._early = self._result("error", error=f"{type(exc).__name__}: {exc}")
@@ -148,9 +183,11 @@ class TaskRun:
             except Exception as exc:
                 log.exception("task %s: supervising failed", self.task.job_id)
                 result = self._result("error", error=f"{type(exc).__name__}: {exc}")
-        if self._terminator is not None:
+        for terminator in self._terminators:
             # Report "cancelled" only once the whole tree is gone.
-            self._terminator.join()
+            terminator.join()
+        if self._port_sock is not None:
+            self._port_sock.close()
         tasklog = self._tasklog
         self.logs.close_task(tasklog)
         if tasklog.pending:  # the server is away: its last lines go before its result
@@ -160,9 +197,20 @@ class TaskRun:
         finally:
             self.on_done(self)
 
-    def _launch(self) -> subprocess.Popen[bytes] | None:
-        """Prepare the workspace and start the process (None: ended before it started)."""
+    def _launch(self) -> None:
+        """Prepare the workspace and start the process(es), unless ended first."""
         spec = self.task.spec
+        task = self.task
+        if spec.distributed and self._master_port is None and task.node == 0:
+            # Before preparing: the other nodes prepare while the port travels.
+            self._port_sock = reserve_port()
+            port = self._master_port = self._port_sock.getsockname()[1]
+            if spec.nodes > 1:
+                self.report(
+                    lambda: self.transport.task_rendezvous(
+                        task.job_id, task.attempt, self.worker_id, port
+                    )
+                )
         ws = prepare(self.task, self.dir, self.transport, self.cache)
         self._cwd = ws.cwd
         argv = (
@@ -183,18 +231,62 @@ class TaskRun:
             for key, value in extra.items():
                 env[os.fsencode(key)] = os.fsencode(value)
         self.marks["prepared"] = time.time()
+        if spec.distributed and self._master_port is None:
+            self._rendezvous.wait()  # node 0's port comes through the control plane
         with self._lock:
             if self._ending is not None:
                 self._early = self._result(self._ending)
-                return None
-            proc = spawn(argv, cwd=ws.cwd, env=env)
-            self._proc = proc
+                return
+            if spec.distributed:
+                self._spawn_ranks(argv, ws.cwd, env)
+            else:
+                self._procs = [spawn(argv, cwd=ws.cwd, env=env)]
         self.marks["started"] = time.time()
-        return proc
+
+    def _spawn_ranks(self, argv: list[str], cwd: Path, env: dict[bytes, bytes]) -> None:
+        """This node's ranks (direct launcher) or its torchrun agent."""
+        spec, task = self.task.spec, self.task
+        assert self._master_port is not None
+        addr = task.master_addr or "127.0.0.1"
+        if spec.launcher == "torchrun":
+            program = (
+                [spec.script, *spec.args] if spec.script else [*(spec.command or []), *spec.args]
+            )
+            agent_env = env.copy()
+            for key, value in torchrun_env(spec).items():
+                agent_env[os.fsencode(key)] = os.fsencode(value)
+            agent = torchrun_argv(
+                spec,
+                program,
+                node=task.node,
+                master_addr=addr,
+                master_port=self._master_port,
+                log_dir=str(self.dir / "torchrun"),
+            )
+            self._procs = [spawn(agent, cwd=cwd, env=agent_env)]
+            return
+        self._ranks = []
+        try:
+            for local_rank in range(spec.procs_per_node):
+                rank_vars = rank_env(
+                    spec,
+                    node=task.node,
+                    local_rank=local_rank,
+                    master_addr=addr,
+                    master_port=self._master_port,
+                )
+                own = env.copy()
+                for key, value in rank_vars.items():
+                    own[os.fsencode(key)] = os.fsencode(value)
+                self._procs.append(spawn(argv, cwd=cwd, env=own))
+                self._ranks.append(int(rank_vars["RANK"]))
+        except BaseException:
+            self._terminate(self._procs)
+            raise
 
     def _supervise(self, tasklog: TaskLog) -> TaskResult:
-        proc = self._proc
-        assert isinstance(proc, subprocess.Popen)
+        procs = self._procs
+        assert procs
         spec = self.task.spec
         started = TaskStarted(
             job_id=self.task.job_id,
@@ -203,8 +295,9 @@ class TaskRun:
             acquired=self.marks["acquired"],
             prepared=self.marks["prepared"],
             started=self.marks["started"],
-            pid=proc.pid,
-            pid_created=process_create_time(proc.pid),
+            pid=procs[0].pid,
+            pid_created=process_create_time(procs[0].pid),
+            node=self.task.node,
         )
 
         def report_started() -> None:
@@ -212,16 +305,39 @@ class TaskRun:
 
         if self.defer_started is None:
             report_started()
-        tail = self._stderr_tail
+        tail, rank_tails, ranks = self._stderr_tail, self._rank_tails, self._ranks
+        torchrun = spec.distributed and spec.launcher == "torchrun"
+        if torchrun:  # room for the agent's summary of a failed rank
+            tail = self._stderr_tail = deque(maxlen=defaults.STDERR_TAIL_LINES * 4)
 
-        def emit(stream: str, text: str) -> None:
-            tasklog.add(stream, text)
+        def emit(index: int, stream: str, text: str) -> None:
+            rank = ranks[index]
+            if torchrun:
+                rank, text = split_rank(text)
+            tasklog.add(stream, text, rank)
             if stream == "stderr":
-                tail.append(text)
+                if rank is None:
+                    tail.append(text)
+                else:
+                    rank_tail = rank_tails.get(rank)
+                    if rank_tail is None:
+                        rank_tail = rank_tails[rank] = deque(maxlen=defaults.STDERR_TAIL_LINES)
+                    rank_tail.append(text)
+
+        def on_exit(index: int, code: int) -> None:
+            # One rank failed: its node's others go too (the job's other
+            # nodes are ended by the control plane when this task reports).
+            if code == 0 or len(procs) == 1:
+                return
+            with self._lock:
+                if self._failed is not None or self._ending is not None:
+                    return
+                self._failed = (ranks[index], code)
+            self._terminate([p for i, p in enumerate(procs) if i != index])
 
         deadline = None if spec.timeout is None else time.monotonic() + spec.timeout
-        code, exited = watch(
-            proc,
+        ended = watch_all(
+            procs,
             emit,
             deadline=deadline,
             on_deadline=lambda: self.stop("timed_out"),
@@ -230,14 +346,35 @@ class TaskRun:
             if self.defer_started is None
             else time.monotonic() + self.defer_started,
             on_still_running=report_started,
+            on_exit=on_exit,
         )
-        self.marks["exited"] = exited
-        outputs, missing = self._collect_outputs()
+        self.marks["exited"] = max(exited for _, exited in ended)
+        if self.task.node == 0:
+            outputs, missing = self._collect_outputs()
+        else:  # a distributed job's outputs are rank 0's, on node 0
+            outputs, missing = {}, []
         with self._lock:
             ending = self._ending
+        rank, code = self._decide([code for code, _ in ended])
+        fields: dict[str, object] = {}
+        if rank is not None:
+            fields["rank"] = rank
+            if rank in rank_tails:
+                fields["stderr_tail"] = list(rank_tails[rank])
         return self._result(
-            ending or "exited", exit_code=code, outputs=outputs, missing_outputs=missing
+            ending or "exited", exit_code=code, outputs=outputs, missing_outputs=missing, **fields
         )
+
+    def _decide(self, codes: list[int]) -> tuple[int | None, int]:
+        """The rank (if any) and exit code the task reports."""
+        if self._failed is not None:
+            return self._failed
+        if self.task.spec.distributed and self.task.spec.launcher == "torchrun" and codes[0]:
+            found = torchrun_failure(self._stderr_tail)
+            if found is not None:
+                return found
+        failed = [(rank, code) for rank, code in zip(self._ranks, codes, strict=True) if code]
+        return failed[0] if failed else (None, codes[0])
 
     def _collect_outputs(self) -> tuple[dict[str, ArtifactRef], list[str]]:
         """Store the declared outputs, waiting out a server that is away."""

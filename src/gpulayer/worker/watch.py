@@ -16,11 +16,12 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .. import defaults
 
 Emit = Callable[[str, str], None]  # (stream, text)
+IndexedEmit = Callable[[int, str, str], None]  # (which process, stream, text)
 _CUT = " [gpulayer: line cut at {limit} bytes]"
 
 
@@ -98,74 +99,130 @@ def watch(
 ) -> tuple[int, float]:
     """Ship the output of ``proc`` to ``emit`` until it exits and its pipes close.
 
-    Returns the exit code and the time of the exit. ``on_deadline`` runs once
-    when ``deadline`` (a ``time.monotonic()`` value) passes first;
-    ``on_still_running`` once at ``still_running_at`` if the process has not
-    exited by then. Processes the
-    task leaves behind in its process group get SIGTERM when it exits, and
-    SIGKILL if they keep its pipes open past ``PIPE_DRAIN_S``.
+    Returns the exit code and the time of the exit. See :func:`watch_all`.
     """
-    assert proc.stdout is not None and proc.stderr is not None
-    splitters = {
-        proc.stdout.fileno(): LineSplitter("stdout", emit),
-        proc.stderr.fileno(): LineSplitter("stderr", emit),
-    }
-    exit_fd, close_exit_fd = _exit_fd(proc)
+    return watch_all(
+        [proc],
+        lambda _, stream, text: emit(stream, text),
+        deadline=deadline,
+        on_deadline=on_deadline,
+        still_running_at=still_running_at,
+        on_still_running=on_still_running,
+    )[0]
+
+
+class _Watched:
+    """One process of a task, as :func:`watch_all` follows it."""
+
+    def __init__(self, index: int, proc: subprocess.Popen[bytes]) -> None:
+        self.index = index
+        self.proc = proc
+        self.code: int | None = None
+        self.exited_at = 0.0
+        self.drain_until = 0.0
+        self.killed = False
+        self.pipes: set[int] = set()
+        exit_fd, self.close_exit_fd = _exit_fd(proc)
+        self.exit_fd = exit_fd
+
+
+def watch_all(
+    procs: Sequence[subprocess.Popen[bytes]],
+    emit: IndexedEmit,
+    *,
+    deadline: float | None = None,
+    on_deadline: Callable[[], None] | None = None,
+    still_running_at: float | None = None,
+    on_still_running: Callable[[], None] | None = None,
+    on_exit: Callable[[int, int], None] | None = None,
+) -> list[tuple[int, float]]:
+    """Ship the output of every process in ``procs`` (the ranks of a task, or
+    its one process) to ``emit(index, stream, text)`` until each has exited
+    and closed its pipes.
+
+    Returns each process's exit code and time of exit. ``on_exit(index,
+    code)`` runs as each exits. ``on_deadline`` runs once when ``deadline``
+    (a ``time.monotonic()`` value) passes first while any still runs;
+    ``on_still_running`` once at ``still_running_at`` if any has not exited by
+    then. Processes a task leaves behind in its process group get SIGTERM when
+    it exits, and SIGKILL if they keep its pipes open past ``PIPE_DRAIN_S``.
+    """
+    watched = [_Watched(i, proc) for i, proc in enumerate(procs)]
+    splitters: dict[int, tuple[_Watched, LineSplitter]] = {}
+    by_exit_fd: dict[int, _Watched] = {}
     poller = select.poll()
-    for fd in (*splitters, exit_fd):
-        poller.register(fd, select.POLLIN)
-    open_pipes = set(splitters)
-    code: int | None = None
-    exited_at = 0.0
-    drain_until = 0.0
-    killed = False
+    for w in watched:
+        assert w.proc.stdout is not None and w.proc.stderr is not None
+        for stream, pipe in (("stdout", w.proc.stdout), ("stderr", w.proc.stderr)):
+            fd = pipe.fileno()
+            index = w.index
+            splitters[fd] = (
+                w,
+                LineSplitter(stream, lambda s, t, i=index: emit(i, s, t)),  # type: ignore[misc]
+            )
+            w.pipes.add(fd)
+            poller.register(fd, select.POLLIN)
+        by_exit_fd[w.exit_fd] = w
+        poller.register(w.exit_fd, select.POLLIN)
+    running = len(watched)
     try:
-        while open_pipes or code is None:
+        while running or any(w.pipes for w in watched):
             now = time.monotonic()
-            if code is None and deadline is not None and now >= deadline:
+            if running and deadline is not None and now >= deadline:
                 if on_deadline is not None:
                     on_deadline()
                 deadline = None
-            if code is None and still_running_at is not None and now >= still_running_at:
+            if running and still_running_at is not None and now >= still_running_at:
                 if on_still_running is not None:
                     on_still_running()
                 still_running_at = None
-            if code is not None and now >= drain_until:
-                if killed:
-                    break  # something outside the group holds the pipes; stop reading
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                killed, drain_until = True, now + defaults.PIPE_DRAIN_S
-            limits = [
-                t
-                for t in (
-                    deadline if code is None else None,
-                    still_running_at if code is None else None,
-                    drain_until if code is not None else None,
-                )
-                if t
-            ]
+            limits = [t for t in (deadline, still_running_at) if t and running]
+            for w in watched:
+                if w.code is None or not w.pipes:
+                    continue
+                if now >= w.drain_until:
+                    if w.killed:
+                        # Something outside the group holds the pipes: stop reading.
+                        for fd in w.pipes:
+                            poller.unregister(fd)
+                            splitters[fd][1].close()
+                        w.pipes.clear()
+                        continue
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(w.proc.pid, signal.SIGKILL)
+                    w.killed, w.drain_until = True, now + defaults.PIPE_DRAIN_S
+                limits.append(w.drain_until)
+            if not running and not any(w.pipes for w in watched):
+                break
             timeout_ms = None if not limits else max(0, int((min(limits) - now) * 1000) + 1)
             for fd, _ in poller.poll(timeout_ms):
-                if fd == exit_fd:
-                    code = proc.wait()
-                    exited_at = time.time()
-                    poller.unregister(exit_fd)
+                exited = by_exit_fd.get(fd)
+                if exited is not None:
+                    exited.code = code = exited.proc.wait()
+                    exited.exited_at = time.time()
+                    running -= 1
+                    poller.unregister(fd)
                     # The usual case raises: nothing was left in the group.
                     with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGTERM)
-                    drain_until = time.monotonic() + defaults.PIPE_DRAIN_S
+                        os.killpg(exited.proc.pid, signal.SIGTERM)
+                    exited.drain_until = time.monotonic() + defaults.PIPE_DRAIN_S
+                    if on_exit is not None:
+                        on_exit(exited.index, code)
+                    continue
+                owner, splitter = splitters[fd]
+                if fd not in owner.pipes:
                     continue
                 data = os.read(fd, 65536)
                 if data:
-                    splitters[fd].feed(data)
+                    splitter.feed(data)
                 else:
                     poller.unregister(fd)
-                    open_pipes.discard(fd)
-                    splitters[fd].close()
+                    owner.pipes.discard(fd)
+                    splitter.close()
     finally:
-        close_exit_fd()
-        proc.stdout.close()
-        proc.stderr.close()
-    assert code is not None
-    return code, exited_at
+        for w in watched:
+            w.close_exit_fd()
+            assert w.proc.stdout is not None and w.proc.stderr is not None
+            w.proc.stdout.close()
+            w.proc.stderr.close()
+    return [(w.code if w.code is not None else -1, w.exited_at) for w in watched]

@@ -26,7 +26,7 @@ from pathlib import Path
 from .. import defaults
 from ..artifacts import ArtifactStore
 from ..errors import InvalidStateError, ServerUnreachable, WorkerError
-from ..jobs import CancelTask, RunTask, TaskResult, WorkerInfo
+from ..jobs import CancelTask, Rendezvous, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
 from .gpus import Gpu, detect_gpus
 from .logs import LogSender
@@ -141,6 +141,11 @@ class Worker:
                         run = self._tasks.get((instruction.job_id, instruction.attempt))
                     if run is not None:
                         run.stop("cancelled")
+                elif isinstance(instruction, Rendezvous):
+                    with self._tasks_lock:
+                        run = self._tasks.get((instruction.job_id, instruction.attempt))
+                    if run is not None:
+                        run.set_master_port(instruction.master_port)
 
     def _reregister(self) -> None:
         # Results kept while the server was away go first: a task that ended
@@ -173,7 +178,11 @@ class Worker:
     def _start_task(self, task: RunTask, acquired: float) -> None:
         if self._stopping.is_set():  # placed as we stopped: hand it back at once
             result = TaskResult(
-                job_id=task.job_id, attempt=task.attempt, worker_id=self.info.id, outcome="lost"
+                job_id=task.job_id,
+                attempt=task.attempt,
+                worker_id=self.info.id,
+                outcome="lost",
+                node=task.node,
             )
             self._outbox.send(lambda: self.transport.task_finished(result))
             return
