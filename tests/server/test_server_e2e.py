@@ -317,3 +317,20 @@ def test_ensure_local_workers_starts_worker_processes(server: ServerProc) -> Non
         assert job.info.worker in {w.id for w in workers}
     with server.client() as other:
         assert other.workers() == [], "closing the client stopped its workers"
+
+
+def test_a_distributed_job_across_worker_processes(server: ServerProc, tmp_path: Path) -> None:
+    """2x2 over HTTP: node 0's port reaches node 1 through the server, the
+    ranks all-reduce across the two worker processes, logs come back tagged."""
+    server.start_worker(tmp_path / "w1")
+    server.start_worker(tmp_path / "w2")
+    allreduce = Path(__file__).parent.parent / "distributed" / "allreduce.py"
+    with server.client() as client:
+        job = client.submit(
+            allreduce, args=["sum.json"], nodes=2, procs_per_node=2, outputs=["sum.json"]
+        )
+        assert job.wait(timeout=120) == "succeeded", job.logs()
+        out = job.download_outputs(tmp_path / "dl")
+        assert json.loads((out / "sum.json").read_text())["sum"] == 10.0
+        assert sorted(line.rank for line in job.stream_logs(follow=False)) == [0, 1, 2, 3]
+        assert len({t.worker for t in job.refresh().tasks}) == 2

@@ -1,0 +1,160 @@
+"""The control plane's side of distributed jobs, driven directly: placement of
+a gang, the master port handed from node 0 to the others, log lines from
+several workers numbered once, and how the first failure ends the job."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpulayer.jobs import (
+    CancelTask,
+    LogLine,
+    Rendezvous,
+    RunTask,
+    TaskResult,
+    TaskStarted,
+    WorkerInfo,
+)
+from gpulayer.service import ControlPlane
+from gpulayer.spec import ArtifactRef, parse_spec
+from gpulayer.store.sqlite import SqliteStore
+
+
+@pytest.fixture
+def plane(tmp_path: Path) -> Iterator[ControlPlane]:
+    store = SqliteStore(tmp_path / "db.sqlite")
+    yield ControlPlane(store, instance_id="test")
+    store.close()
+
+
+def worker(plane: ControlPlane, name: str, address: str | None = None) -> str:
+    info = plane.register_worker(
+        WorkerInfo(id="", name=name, host=name, slot_gpus=[None], address=address)
+    )
+    return info.id
+
+
+def gang(plane: ControlPlane, **fields: object) -> tuple[str, RunTask, RunTask, str, str]:
+    a = worker(plane, "a", "10.0.0.1")
+    b = worker(plane, "b", "10.0.0.2")
+    spec = parse_spec({"command": ["x"], "nodes": 2, "procs_per_node": 2, **fields})
+    job = plane.submit(spec)
+    tasks: dict[str, RunTask] = {}
+    for wid in (a, b):
+        (task,) = plane.take_instructions(wid)
+        assert isinstance(task, RunTask)
+        tasks[wid] = task
+    first, second = sorted(tasks.values(), key=lambda t: t.node)
+    workers = {t.node: wid for wid, t in tasks.items()}
+    return job.id, first, second, workers[0], workers[1]
+
+
+def result(job_id: str, wid: str, node: int, **fields: object) -> TaskResult:
+    return TaskResult(job_id=job_id, attempt=1, worker_id=wid, node=node, **fields)  # type: ignore[arg-type]
+
+
+def test_a_gang_is_placed_whole_and_told_where_rank_0_listens(plane: ControlPlane) -> None:
+    job_id, first, second, w0, w1 = gang(plane)
+    assert (first.node, second.node) == (0, 1)
+    assert first.master_addr == second.master_addr == "10.0.0.1"  # node 0's advertised address
+    assert first.master_port is None and second.master_port is None
+    stored = plane.get(job_id)
+    assert stored.state == "running"
+    assert [(t.node, t.worker) for t in stored.tasks] == [(0, w0), (1, w1)]
+    # Node 0 reserved a port: node 1 learns it; node 0 gets nothing back.
+    plane.task_rendezvous(job_id, 1, w0, 40123)
+    assert plane.take_instructions(w1) == [Rendezvous(job_id=job_id, attempt=1, master_port=40123)]
+    assert plane.take_instructions(w0) == []
+    # A report from a worker that is not node 0's changes nothing.
+    plane.task_rendezvous(job_id, 1, w1, 1)
+    assert plane.take_instructions(w1) == []
+
+
+def test_lines_from_several_nodes_are_numbered_once_in_arrival_order(
+    plane: ControlPlane,
+) -> None:
+    job_id, _, _, w0, w1 = gang(plane)
+
+    def lines(node_seqs: range, rank: int) -> list[LogLine]:
+        return [LogLine(s, 0.0, "stdout", f"r{rank} l{s}", rank) for s in node_seqs]
+
+    plane.append_logs(job_id, 1, lines(range(1, 3), rank=2), node=1)
+    plane.append_logs(job_id, 1, lines(range(1, 4), rank=0), node=0)
+    first = plane.logs_after(job_id, (0, 0))
+    # Node 1's batch is sent again (its reply was lost) with one line more.
+    plane.append_logs(job_id, 1, lines(range(1, 4), rank=2), node=1)
+    later = plane.logs_after(job_id, first.cursor)
+    texts = [line.text for line in first.lines + later.lines]
+    assert texts == ["r2 l1", "r2 l2", "r0 l1", "r0 l2", "r0 l3", "r2 l3"]
+    assert [line.seq for line in first.lines + later.lines] == [1, 2, 3, 4, 5, 6]
+    assert [line.rank for line in later.lines] == [2]
+
+
+def test_the_first_failure_ends_the_other_nodes_and_names_its_rank(plane: ControlPlane) -> None:
+    job_id, _, _, w0, w1 = gang(plane)
+    for wid, node in ((w0, 0), (w1, 1)):
+        plane.task_started(
+            TaskStarted(
+                job_id=job_id,
+                attempt=1,
+                worker_id=wid,
+                acquired=1.0,
+                prepared=2.0 + node,
+                started=3.0 + node,
+                pid=100 + node,
+                node=node,
+            )
+        )
+    assert plane.get(job_id).marks["started"] == 4.0  # the job started when its last node did
+    plane.task_finished(
+        result(
+            job_id,
+            w1,
+            1,
+            outcome="exited",
+            exit_code=3,
+            rank=3,
+            stderr_tail=["boom"],
+            marks={"exited": 5.0},
+        )
+    )
+    assert plane.get(job_id).state == "running"  # node 0 still has to end
+    assert plane.take_instructions(w0) == [CancelTask(job_id=job_id, attempt=1)]
+    # Node 0 ends: ended by us (cancelled) or a rank that failed after its peer.
+    plane.task_finished(
+        result(job_id, w0, 0, outcome="exited", exit_code=1, rank=0, marks={"exited": 6.0})
+    )
+    final = plane.get(job_id)
+    assert final.state == "failed" and final.exit_code == 3
+    assert final.reason is not None
+    assert final.reason.startswith(f"rank 3 (node 1, worker {w1}) exited with code 3")
+    assert "boom" in final.reason
+    # Both workers are free again; a second report changes nothing.
+    assert {w.id: w.running for w in plane.list_workers()} == {w0: [], w1: []}
+    plane.task_finished(result(job_id, w1, 1, outcome="exited", exit_code=0))
+    assert plane.get(job_id).state == "failed"
+
+
+def test_a_lost_node_retries_the_whole_gang(plane: ControlPlane) -> None:
+    job_id, _, _, w0, w1 = gang(plane, max_retries=1)
+    plane.unregister_worker(w1, reason="its worker b stopped heartbeating")
+    assert plane.take_instructions(w0) == [CancelTask(job_id=job_id, attempt=1)]
+    plane.task_finished(result(job_id, w0, 0, outcome="cancelled", exit_code=-15))
+    job = plane.get(job_id)
+    # Queued again (one worker left cannot hold a gang of two) and says why.
+    assert job.state == "queued" and job.attempt == 1
+    assert job.reason is not None and "stopped heartbeating" in job.reason
+    worker(plane, "c")
+    assert plane.get(job_id).state == "running" and plane.get(job_id).attempt == 2
+
+
+def test_success_takes_node_0s_outputs(plane: ControlPlane) -> None:
+    job_id, _, _, w0, w1 = gang(plane)
+    plane.task_finished(result(job_id, w1, 1, outcome="exited", exit_code=0))
+    outputs = {"model.pt": ArtifactRef(kind="file", digest="a" * 64, size=1)}
+    plane.task_finished(result(job_id, w0, 0, outcome="exited", exit_code=0, outputs=outputs))
+    final = plane.get(job_id)
+    assert final.state == "succeeded" and final.outputs == outputs
