@@ -76,7 +76,7 @@ def test_a_gang_is_placed_whole_and_told_where_rank_0_listens(plane: ControlPlan
 def test_lines_from_several_nodes_are_numbered_once_in_arrival_order(
     plane: ControlPlane,
 ) -> None:
-    job_id, _, _, w0, w1 = gang(plane)
+    job_id, *_ = gang(plane)
 
     def lines(node_seqs: range, rank: int) -> list[LogLine]:
         return [LogLine(s, 0.0, "stdout", f"r{rank} l{s}", rank) for s in node_seqs]
