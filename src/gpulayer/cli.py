@@ -223,8 +223,8 @@ def run(
         raise click.UsageError(
             "--detach needs a server: an embedded job runs only while this command does"
         )
-    if workers is None:
-        workers = 0 if ctx.obj["server"] else 1
+    if workers is None:  # embedded: enough local workers for every node
+        workers = 0 if ctx.obj["server"] else max(1, int(fields.get("nodes", 1)))
     if workers:
         client.ensure_local_workers(workers, slots=slots)
     job = client.submit(**fields)
@@ -330,7 +330,15 @@ def show(ctx: click.Context, job_id: str) -> None:
         "attempt": info.attempt,
         "retries allowed": spec.max_retries,
         "timeout": spec.timeout,
-        "worker": info.worker,
+        "ranks": (
+            f"{spec.world_size}: {spec.nodes} node(s) x {spec.procs_per_node}, "
+            f"{spec.launcher or 'direct'} launcher"
+            if spec.distributed
+            else None
+        ),
+        "worker": info.worker
+        if not info.tasks
+        else ", ".join(f"node {t.node}: {t.worker}" for t in info.tasks),
         "gpu ids": ",".join(map(str, info.gpus)) or None,
         "labels": ", ".join(f"{k}={v}" for k, v in spec.labels.items()) or None,
     }
