@@ -89,3 +89,39 @@ def test_a_job_queued_by_another_process_can_be_cancelled(home: Path) -> None:
         owner.ensure_local_workers(1)
         assert job.wait(timeout=30) == "cancelled"
         assert job.logs() == ""
+
+
+GANG_CRASHER = """
+import json, sys, gpulayer
+client = gpulayer.Client()
+client.ensure_local_workers(2)
+code = "import os, time; print('ready', os.getpid(), flush=True); time.sleep(120)"
+job = client.submit(command=[sys.executable, '-c', code], nodes=2, procs_per_node=2)
+pids = []
+for line in job.stream_logs():
+    if line.text.startswith('ready'):
+        pids.append(int(line.text.split()[1]))
+        if len(pids) == 4:
+            break
+# In-process workers record a task's start before its first line is read,
+# so both nodes' processes are in the store by now.
+print(json.dumps({'job': job.id, 'pids': pids}), flush=True)
+sys.stdin.read()  # hold still until killed
+"""
+
+
+def test_every_rank_of_a_crashed_distributed_job_is_ended(home: Path) -> None:
+    env = {**os.environ, "GPULAYER_HOME": str(home)}
+    with subprocess.Popen(
+        [PY, "-c", GANG_CRASHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            ids = json.loads(proc.stdout.readline())
+        finally:
+            proc.send_signal(signal.SIGKILL)
+    assert len(pids_alive(*ids["pids"])) == 4
+    with gpulayer.Client(home=home) as client:
+        job = client.job(ids["job"])
+        assert job.status == "lost"
+        assert pids_alive(*ids["pids"]) == []

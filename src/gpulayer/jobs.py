@@ -42,13 +42,14 @@ class TaskInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     gpus: list[int] = []
     pid: int | None = None
     pid_created: float | None = None
+    procs: list[tuple[int, float | None]] = []  # every rank's (pid, start time)
 
 
 class JobInfo(msgspec.Struct, kw_only=True):
     """A job as the store holds it; what clients see.
 
     ``worker``, ``slots``, ``gpus`` and ``pid`` describe the job's only task,
-    or node 0's for a job of several nodes, whose every task is in ``tasks``.
+    or node 0's for a distributed job, whose every task is in ``tasks``.
     """
 
     id: str
@@ -67,7 +68,16 @@ class JobInfo(msgspec.Struct, kw_only=True):
     pid_created: float | None = None
     marks: dict[str, float] = {}
     outputs: dict[str, ArtifactRef] = {}
-    tasks: list[TaskInfo] = []  # one per node, for jobs of several nodes
+    tasks: list[TaskInfo] = []  # one per node, for distributed jobs
+
+    def processes(self) -> set[tuple[int, float | None]]:
+        """Every (pid, start time) recorded for its running processes."""
+        found = {(self.pid, self.pid_created)} if self.pid is not None else set()
+        for task in self.tasks:
+            if task.pid is not None:
+                found.add((task.pid, task.pid_created))
+            found.update((pid, created) for pid, created in task.procs)
+        return found
 
     @property
     def done(self) -> bool:
@@ -159,6 +169,9 @@ class TaskStarted(msgspec.Struct, kw_only=True):
     pid: int
     pid_created: float | None = None
     node: int = 0
+    # A task of several processes (its ranks): each one's (pid, start time),
+    # so that a successor of a crashed control plane can end them all.
+    procs: list[tuple[int, float | None]] = []
 
 
 class TaskResult(msgspec.Struct, kw_only=True):

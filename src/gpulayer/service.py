@@ -190,7 +190,7 @@ class ControlPlane:
                     job.state, job.worker, job.attempt = jobs.RUNNING, first.worker_id, 1
                     job.slots, job.gpus = list(first.slots), list(first.gpus)
                     job.marks["placed"] = now
-                    if len(mine) > 1:
+                    if spec.distributed:
                         job.tasks = _task_infos(mine)
                 with self.store.transaction() as tx:
                     tx.insert_job(job)
@@ -318,8 +318,9 @@ class ControlPlane:
                     if not queued:
                         tx.request_cancel(job_id)
                 # Committed first: the owner reads the flag when the job ends.
-                if not queued and job.pid is not None and self._kill_orphan is not None:
-                    self._kill_orphan(job.pid, job.pid_created)
+                if not queued and self._kill_orphan is not None:
+                    for pid, created in job.processes():
+                        self._kill_orphan(pid, created)
         return self.get(job_id)
 
     def read_logs(
@@ -596,6 +597,7 @@ class ControlPlane:
                 # The job's stages end when its last node's do.
                 for key, value in marks.items():
                     marks[key] = run.marks[key] = max(run.marks.get(key, value), value)
+            if run.spec.distributed:
                 node = task.node
             with self.store.transaction() as tx:
                 tx.start(
@@ -604,6 +606,7 @@ class ControlPlane:
                     pid=report.pid,
                     pid_created=report.pid_created,
                     node=node,
+                    procs=report.procs,
                 )
 
     def task_rendezvous(self, job_id: str, attempt: int, worker_id: str, port: int) -> None:
@@ -755,7 +758,7 @@ class ControlPlane:
                 cancel_requested=cancel,
                 marks={**run.marks, **marks},
                 outputs=result.outputs,
-                tasks=_task_infos(run.tasks) if len(run.tasks) > 1 else [],
+                tasks=_task_infos(run.tasks) if run.spec.distributed else [],
             )
             self._signal_done(job_id, final)
         return not again
@@ -824,12 +827,8 @@ class ControlPlane:
                 self._adopt_workers(dead_instance, running, now)
             elif self._kill_orphan is not None:
                 for job in running:
-                    pids = {(job.pid, job.pid_created)} | {
-                        (t.pid, t.pid_created) for t in job.tasks
-                    }
-                    for pid, created in pids:
-                        if pid is not None:
-                            self._kill_orphan(pid, created)
+                    for pid, created in job.processes():
+                        self._kill_orphan(pid, created)
             with self.store.transaction() as tx:
                 for job in running:
                     touched.append(job.id)
@@ -964,7 +963,7 @@ class ControlPlane:
                 gpus=a.gpus,
                 attempt=pending.attempt + 1,
                 at=now,
-                tasks=_task_infos(group) if len(group) > 1 else (),
+                tasks=_task_infos(group) if pending.spec.distributed else (),
             )
             if not placed:
                 for gone in group:

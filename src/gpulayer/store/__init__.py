@@ -48,8 +48,10 @@ class Transaction(abc.ABC):
         pid: int,
         pid_created: float | None,
         node: int | None = None,
+        procs: Sequence[tuple[int, float | None]] = (),
     ) -> None:
-        """A task's process started (``node`` for a job of several nodes)."""
+        """A task's process started. A distributed job's task names its
+        ``node`` and, with several ranks, each one's process in ``procs``."""
 
     @abc.abstractmethod
     def finish(

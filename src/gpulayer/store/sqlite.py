@@ -139,6 +139,7 @@ class _SqliteTransaction(Transaction):
         pid: int,
         pid_created: float | None,
         node: int | None = None,
+        procs: Sequence[tuple[int, float | None]] = (),
     ) -> None:
         if node is None:
             self.db.execute(
@@ -149,13 +150,15 @@ class _SqliteTransaction(Transaction):
         # A node of a distributed job: its process goes in its task's entry.
         path = f"$[{int(node)}]"
         self.db.execute(
-            f"UPDATE jobs SET tasks=json_set(tasks, '{path}.pid', ?, '{path}.pid_created', json(?)), "
+            f"UPDATE jobs SET tasks=json_set(tasks, '{path}.pid', ?, '{path}.pid_created', json(?), "
+            f"'{path}.procs', json(?)), "
             "pid=CASE WHEN ?=0 THEN ? ELSE pid END, "
             "pid_created=CASE WHEN ?=0 THEN ? ELSE pid_created END, "
             "marks=json_patch(marks, ?) WHERE id=?",
             (
                 pid,
                 _encode(pid_created).decode(),
+                _encode(list(procs)).decode(),
                 node,
                 pid,
                 node,

@@ -298,6 +298,7 @@ class TaskRun:
             pid=procs[0].pid,
             pid_created=process_create_time(procs[0].pid),
             node=self.task.node,
+            procs=[(p.pid, process_create_time(p.pid)) for p in procs] if len(procs) > 1 else [],
         )
 
         def report_started() -> None:
