@@ -519,6 +519,7 @@ def worker_start(
         kill_grace=kill_grace,
         heartbeat_interval=defaults.HEARTBEAT_INTERVAL_S,
         address=advertise or transport.local_address(),
+        ledger=True,
     )
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -60,6 +60,7 @@ class _Task:
     worker_id: str
     slots: tuple[int, ...]
     gpus: tuple[int, ...]
+    delivered: bool = False  # its worker took the instruction
     started: bool = False  # its worker reported the process started
     ended: bool = False  # its worker reported its end (or was lost)
 
@@ -86,7 +87,9 @@ class _Running:
 
     @property
     def started(self) -> bool:
-        return any(t.started for t in self.tasks)
+        """Whether it may have run: a worker took it (a short task's start is
+        reported only with its end) or said it started."""
+        return any(t.started or t.delivered for t in self.tasks)
 
     def task_on(self, worker_id: str) -> _Task | None:
         for task in self.tasks:
@@ -576,6 +579,12 @@ class ControlPlane:
     def _drain(self, worker: _LiveWorker) -> list[Instruction]:
         items = list(worker.inbox)
         worker.inbox.clear()
+        for item in items:
+            if type(item) is RunTask:
+                run = self._running.get(item.job_id)
+                task = run.task_on(worker.info.id) if run is not None else None
+                if task is not None:
+                    task.delivered = True
         return items
 
     def task_started(self, report: TaskStarted) -> None:

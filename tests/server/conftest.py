@@ -134,9 +134,12 @@ class ServerProc:
         )
         self.workers.append(proc)
         assert proc.stderr is not None
-        line = proc.stderr.readline()  # "gpulayer: worker <id> (...) serving ..." once registered
-        assert "serving" in line, line
-        return proc
+        said = []
+        for line in proc.stderr:  # "gpulayer: worker <id> (...) serving ..." once registered
+            said.append(line)
+            if "serving" in line:
+                return proc
+        raise AssertionError("the worker ended before serving:\n" + "".join(said))
 
     def stop(self) -> None:
         for proc in self.workers:

@@ -334,3 +334,30 @@ def test_a_distributed_job_across_worker_processes(server: ServerProc, tmp_path:
         assert json.loads((out / "sum.json").read_text())["sum"] == 10.0
         assert sorted(line.rank for line in job.stream_logs(follow=False)) == [0, 1, 2, 3]
         assert len({t.worker for t in job.refresh().tasks}) == 2
+
+
+def test_a_killed_workers_processes_are_ended_by_the_next_on_its_home(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    """SIGKILL leaves a task's tree running; the next worker started on the
+    same home ends it, and comes back under the dead worker's id so that the
+    server ends the job at once instead of after the heartbeat timeout."""
+    doomed = server.start_worker(tmp_path / "w", name="doomed")
+    code = (
+        "import subprocess, sys, time\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "print('pids', c.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    with server.client() as client:
+        job = client.submit(command=[PY, "-c", code])
+        grandchild = int(follow_until(job, "pids").split()[1])
+        old_worker = job.refresh().worker
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        assert pids_alive(grandchild), "a task's tree outlives its killed worker"
+        server.start_worker(tmp_path / "w", name="reborn")
+        assert pids_alive(grandchild) == []  # ended before the new worker served
+        assert job.wait(timeout=30) == "lost"
+        assert "came back without it" in (job.info.reason or "")
+        assert {w.id for w in client.workers()} == {old_worker}

@@ -72,6 +72,7 @@ class TaskRun:
         kill_grace: float,
         acquired: float,
         on_done: Callable[[TaskRun], None],
+        on_spawned: Callable[[TaskRun, list[tuple[int, float | None]]], None] | None = None,
         report: Callable[[Callable[[], None]], None] = lambda deliver: deliver(),
         defer_started: float | None = None,
     ) -> None:
@@ -86,6 +87,7 @@ class TaskRun:
         self.kill_grace = kill_grace
         self.marks = {"acquired": acquired}
         self.on_done = on_done
+        self.on_spawned = on_spawned  # told each process's (pid, start time) once started
         self.report = report  # delivers a report now, or later if the server is away
         # Over a network, a task's start is reported only once it has run this
         # long (a short task's start goes with its end: one request fewer).
@@ -108,6 +110,7 @@ class TaskRun:
         self._master_port = task.master_port
         self._rendezvous = threading.Event()
         self._failed: tuple[int | None, int] | None = None
+        self._proc_times: list[tuple[int, float | None]] = []
         self.thread = threading.Thread(
             target=self._run, name=f"gpulayer-task-{task.job_id}", daemon=True
         )
@@ -242,6 +245,9 @@ class TaskRun:
             else:
                 self._procs = [spawn(argv, cwd=ws.cwd, env=env)]
         self.marks["started"] = time.time()
+        self._proc_times = [(p.pid, process_create_time(p.pid)) for p in self._procs]
+        if self.on_spawned is not None:
+            self.on_spawned(self, self._proc_times)
 
     def _spawn_ranks(self, argv: list[str], cwd: Path, env: dict[bytes, bytes]) -> None:
         """This node's ranks (direct launcher) or its torchrun agent."""
@@ -296,9 +302,9 @@ class TaskRun:
             prepared=self.marks["prepared"],
             started=self.marks["started"],
             pid=procs[0].pid,
-            pid_created=process_create_time(procs[0].pid),
+            pid_created=self._proc_times[0][1],
             node=self.task.node,
-            procs=[(p.pid, process_create_time(p.pid)) for p in procs] if len(procs) > 1 else [],
+            procs=self._proc_times if len(procs) > 1 else [],
         )
 
         def report_started() -> None:

@@ -29,6 +29,7 @@ from ..errors import InvalidStateError, ServerUnreachable, WorkerError
 from ..jobs import CancelTask, Rendezvous, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
 from .gpus import Gpu, detect_gpus
+from .ledger import Ledger
 from .logs import LogSender
 from .outbox import Outbox
 from .task import TaskRun
@@ -50,6 +51,7 @@ class Worker:
         kill_grace: float = defaults.KILL_GRACE_S,
         heartbeat_interval: float | None = None,
         address: str | None = None,
+        ledger: bool = False,
     ) -> None:
         if slots is not None and slots < 1:
             raise WorkerError(f"a worker needs at least one slot, got slots={slots}")
@@ -94,13 +96,24 @@ class Worker:
         # The environment every task starts from, taken once (see TaskRun).
         self._base_env = dict(os.environb)
         self._dir_numbers = itertools.count(1)
+        # A worker process of its own keeps a ledger of its tasks' processes,
+        # for the next one on this home to end if it dies (see ledger.py).
+        self._ledger = Ledger(work_dir) if ledger else None
 
     @property
     def id(self) -> str:
         return self.info.id
 
     def start(self) -> None:
+        if self._ledger is not None:
+            previous = self._ledger.recover(grace=self.kill_grace)
+            if previous and not self.info.id:
+                # Come back as the dead worker: the server learns at once
+                # that its tasks are gone, not after the heartbeat timeout.
+                self.info.id = previous
         self.info = self.transport.register_worker(self.info)
+        if self._ledger is not None:
+            self._ledger.set_worker_id(self.info.id)
         self.tasks_dir = self.work_dir / self.info.id
         self._spares = [make_spare(self._new_dir()) for _ in self.info.slot_gpus[:4]]
         self._thread = threading.Thread(
@@ -200,6 +213,7 @@ class Worker:
             kill_grace=self.kill_grace,
             acquired=acquired,
             on_done=self._task_done,
+            on_spawned=None if self._ledger is None else self._task_spawned,
             report=self._outbox.send,
             defer_started=defaults.REPORT_STARTED_AFTER_S if self.heartbeat_interval else None,
         )
@@ -207,9 +221,15 @@ class Worker:
             self._tasks[run.key] = run
         run.start()
 
+    def _task_spawned(self, run: TaskRun, procs: list[tuple[int, float | None]]) -> None:
+        assert self._ledger is not None
+        self._ledger.record(f"{run.task.job_id}-{run.task.attempt}", procs)
+
     def _task_done(self, run: TaskRun) -> None:
         # Called on the task's thread after its result is reported: tidying
         # up here costs the job nothing.
+        if self._ledger is not None:
+            self._ledger.forget(f"{run.task.job_id}-{run.task.attempt}")
         spare = None
         if not self._stopping.is_set():
             spare = reuse_if_empty(run.dir) or make_spare(self._new_dir())
@@ -241,5 +261,7 @@ class Worker:
         with contextlib.suppress(ServerUnreachable, InvalidStateError):
             self.transport.unregister_worker(self.info.id)
         shutil.rmtree(self.tasks_dir, ignore_errors=True)
+        if self._ledger is not None:
+            self._ledger.close()
         if self._thread is not None:
             self._thread.join(timeout)
