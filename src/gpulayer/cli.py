@@ -67,7 +67,11 @@ def _client(ctx: click.Context) -> Client:
     opts = ctx.obj
     if "client" not in opts:
         client = Client(
-            opts["server"], token=opts["token"], home=opts["home"], progress=_progress_bar
+            opts["server"],
+            token=opts["token"],
+            home=opts["home"],
+            progress=_progress_bar,
+            ca_file=opts["ca_file"],
         )
         ctx.call_on_close(client.close)
         opts["client"] = client
@@ -83,14 +87,25 @@ def _client(ctx: click.Context) -> Client:
 )
 @click.option("--server", envvar="GPULAYER_SERVER", help="Control-plane URL (server mode).")
 @click.option("--token", envvar="GPULAYER_TOKEN", help="API token for the server.")
+@click.option(
+    "--ca-file",
+    envvar="GPULAYER_CA_FILE",
+    type=click.Path(dir_okay=False, exists=True),
+    help="CA certificate(s) to trust for an https server (default: the system's).",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Say more about what happens.")
 @click.version_option(package_name="gpulayer")
 @click.pass_context
 def main(
-    ctx: click.Context, home: str | None, server: str | None, token: str | None, verbose: bool
+    ctx: click.Context,
+    home: str | None,
+    server: str | None,
+    token: str | None,
+    ca_file: str | None,
+    verbose: bool,
 ) -> None:
     """Run ML jobs on the GPU machines you already own."""
-    ctx.obj = {"home": home, "server": server, "token": token}
+    ctx.obj = {"home": home, "server": server, "token": token, "ca_file": ca_file}
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("gpulayer: %(message)s"))
     root = logging.getLogger("gpulayer")
@@ -509,7 +524,7 @@ def worker_start(
     if not url:
         raise click.UsageError("a worker needs a server: --server URL or GPULAYER_SERVER")
     home = resolve_home(ctx.obj["home"])
-    transport = HttpTransport(url, token=ctx.obj["token"])
+    transport = HttpTransport(url, token=ctx.obj["token"], ca_file=ctx.obj["ca_file"])
     node = Worker(
         transport,
         cache=ArtifactStore(Path(cache) if cache else home / "worker-cache"),
@@ -548,7 +563,7 @@ def token_create(ctx: click.Context, role: str, name: str | None) -> None:
 
     if not ctx.obj["server"]:
         raise click.UsageError("tokens belong to a server: --server URL or GPULAYER_SERVER")
-    transport = HttpTransport(ctx.obj["server"], token=ctx.obj["token"])
+    transport = HttpTransport(ctx.obj["server"], token=ctx.obj["token"], ca_file=ctx.obj["ca_file"])
     click.echo(transport.create_token(role, name))
 
 

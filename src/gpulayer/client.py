@@ -53,6 +53,7 @@ class Client:
         home: str | os.PathLike[str] | None = None,
         auto_worker: bool = True,
         progress: Progress | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
         url = url or os.environ.get("GPULAYER_SERVER")
         self._progress = progress or _no_progress
@@ -66,7 +67,11 @@ class Client:
             from .transport.http import HttpTransport
 
             self._token = token or os.environ.get("GPULAYER_TOKEN")
-            self._transport: Transport = HttpTransport(url, token=self._token)
+            ca = ca_file or os.environ.get("GPULAYER_CA_FILE")
+            self._ca_file = str(ca) if ca else None
+            self._transport: Transport = HttpTransport(
+                url, token=self._token, ca_file=self._ca_file
+            )
             return
         from .embedded import Embedded
 
@@ -152,6 +157,8 @@ class Client:
             env = dict(os.environ)
             if token:
                 env["GPULAYER_TOKEN"] = token
+            if self._ca_file:
+                env["GPULAYER_CA_FILE"] = self._ca_file
             proc = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
             )

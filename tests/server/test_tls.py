@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import shutil
 import ssl
 import subprocess
@@ -171,9 +172,8 @@ def test_submit_list_and_run_over_tls(
         job = transport.submit(JobSpec(command=[sys.executable, "-c", "print('over tls')"]))
         assert [j.id for j in transport.list_jobs()] == [job.id]
         assert job.state == "queued"
-        # The worker CLI has no option naming a CA; Python's default context
-        # trusts the file SSL_CERT_FILE names, and the worker inherits it.
-        monkeypatch.setenv("SSL_CERT_FILE", ca)
+        # The worker process trusts the CA that GPULAYER_CA_FILE names.
+        monkeypatch.setenv("GPULAYER_CA_FILE", ca)
         tls_server.start_worker(tmp_path / "w1")
         done = transport.wait(job.id, timeout=60)
         assert (done.state, done.exit_code) == ("succeeded", 0), done.reason
@@ -182,3 +182,20 @@ def test_submit_list_and_run_over_tls(
         assert [w.name for w in transport.list_workers()] == ["w"]
     finally:
         transport.close()
+
+
+def test_the_cli_trusts_the_ca_it_is_given(tls_server: TlsServer) -> None:
+    assert tls_server.certs is not None
+    base = [sys.executable, "-m", "gpulayer.cli", "--server", tls_server.url]
+    env = {**os.environ, "GPULAYER_TOKEN": tls_server.admin}
+    env.pop("SSL_CERT_FILE", None)
+    trusted = subprocess.run(
+        [*base, "--ca-file", str(tls_server.certs.ca), "workers"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert trusted.returncode == 0, trusted.stderr
+    untrusted = subprocess.run([*base, "workers"], env=env, capture_output=True, text=True)
+    assert untrusted.returncode != 0
+    assert "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr
