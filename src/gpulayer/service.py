@@ -406,8 +406,10 @@ class ControlPlane:
             live = {w.info.id: w for w in self._workers.values()}
         found = self.store.list_workers()
         for info in found:
-            if info.id in live:
-                info.running = sorted(live[info.id].running)
+            worker = live.get(info.id)
+            if worker is not None:  # what only memory holds: its tasks, its last word
+                info.running = sorted(worker.running)
+                info.last_seen = worker.last_seen
         return found
 
     def snapshot(self) -> Snapshot:
