@@ -1,16 +1,22 @@
 """Two real ranks over gloo: DDP wrapping, data sharding, accumulation without
-all-reduce, rank-0-only files, and the example script as a distributed job."""
+all-reduce, rank-0-only files, the example script as a distributed job, and
+the process group's teardown at exit."""
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from trainer_testkit import Regression, make_batches, make_optimizer, raw_fit, run_ranks
+
+from gpulayer.train import distributed
 
 pytestmark = pytest.mark.torch
 
@@ -115,3 +121,58 @@ def test_example_runs_alone_and_as_a_two_rank_job(tmp_path: Path) -> None:
         assert (run / "checkpoints" / "last.ckpt").is_file()
         assert (run / "metrics.csv").read_text().startswith("step,")
         assert summary["metrics"]["val_acc"] > 0.5  # four classes: it learned something
+
+
+@pytest.mark.parametrize("dead", [0, 1])
+def test_a_rank_whose_peer_died_still_exits_cleanly(tmp_path: Path, dead: int) -> None:
+    # The exit barrier must not wait for a rank that is gone (rank 0 also
+    # hosts the store): the dead rank's closed sockets fail it at once.
+    results = run_ranks(
+        [str(HERE / "ddp_exit_worker.py"), str(dead)], world=2, cwd=tmp_path, check=False
+    )
+    assert results[dead].returncode == 3
+    alive = results[1 - dead]
+    assert alive.returncode == 0, alive.stderr[-3000:]
+    assert "ranks did not meet at exit" in alive.stderr
+
+
+@pytest.fixture
+def teardown_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The exit teardown's calls into torch.distributed, recorded, none made."""
+    calls: list[str] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(
+        dist, "monitored_barrier", lambda timeout: calls.append(f"barrier {timeout}")
+    )
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.delattr(sys, "last_value", raising=False)
+    monkeypatch.delattr(sys, "last_exc", raising=False)
+    return calls
+
+
+def test_exit_teardown_meets_the_other_ranks_then_destroys(teardown_calls: list[str]) -> None:
+    distributed._destroy()
+    assert teardown_calls == [f"barrier {distributed.EXIT_BARRIER_TIMEOUT}", "destroy"]
+
+
+def test_exit_teardown_skips_the_barrier_when_an_exception_ends_the_process(
+    teardown_calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The peers may be blocked in a collective this rank never joins.
+    monkeypatch.setattr(sys, "last_value", RuntimeError("boom"), raising=False)
+    distributed._destroy()
+    assert teardown_calls == ["destroy"]
+
+
+def test_exit_teardown_destroys_even_when_the_barrier_fails(
+    teardown_calls: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def timed_out(timeout: object) -> None:
+        raise RuntimeError("Rank 1 failed to pass monitoredBarrier")
+
+    monkeypatch.setattr(dist, "monitored_barrier", timed_out)
+    with caplog.at_level(logging.WARNING, logger="gpulayer.train"):
+        distributed._destroy()
+    assert teardown_calls == ["destroy"]
+    assert "did not meet at exit" in caplog.text

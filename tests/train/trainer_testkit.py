@@ -153,9 +153,10 @@ def free_port() -> int:
 
 
 def run_ranks(
-    args: list[str], world: int, cwd: Path, timeout: float = 90
+    args: list[str], world: int, cwd: Path, timeout: float = 90, check: bool = True
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Start ``world`` real processes wired as one job (env vars), wait for all."""
+    """Start ``world`` real processes wired as one job (env vars), wait for all;
+    with ``check``, every rank must exit 0."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -192,5 +193,5 @@ def run_ranks(
                 proc.kill()
                 proc.communicate()
     for rank, result in enumerate(results):
-        assert result.returncode == 0, f"rank {rank} failed:\n{result.stderr[-3000:]}"
+        assert not check or result.returncode == 0, f"rank {rank} failed:\n{result.stderr[-3000:]}"
     return results

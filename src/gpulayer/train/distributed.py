@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import logging
+import sys
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -14,6 +17,11 @@ from gpulayer.train.environment import ClusterEnvironment
 from gpulayer.train.errors import TrainerError
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_log = logging.getLogger("gpulayer.train")
+
+#: How long a rank waits at exit for the others before tearing down alone;
+#: only a peer that is alive but never gets there costs this long.
+EXIT_BARRIER_TIMEOUT = timedelta(minutes=5)
 
 
 def init_process_group(env: ClusterEnvironment, accelerator: Accelerator) -> None:
@@ -38,8 +46,42 @@ def init_process_group(env: ClusterEnvironment, accelerator: Accelerator) -> Non
 
 
 def _destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """At exit: wait (bounded) for the other ranks, then destroy the group.
+
+    On gloo, ``destroy_process_group`` leaves the group's worker threads
+    running while anything (a DDP wrapper) holds the group: into interpreter
+    finalization. A worker lets go of a finished collective's tensors just
+    after it wakes the caller; if the caller has dropped one (``any_rank``
+    does), freeing its Python object takes the GIL, and once finalization has
+    begun Python ends that thread with pthread_exit, which aborts in a C++
+    destructor: "terminate called without an active exception". A rank that
+    exits right after its last collective (not rank 0, which still writes
+    files) loses that race on a busy machine. Waiting in a barrier releases
+    the GIL until every rank is done, so the workers finish first, and no rank
+    closes its sockets while a peer still talks to it.
+    """
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == dist.Backend.GLOO and not _exiting_on_error():
+        try:
+            # Bounded: a dead peer fails it at once, a stuck one after the
+            # timeout (older torch has no dist.barrier timeout). Gloo only:
+            # NCCL ranks keep the plain teardown.
+            dist.monitored_barrier(timeout=EXIT_BARRIER_TIMEOUT)
+        except Exception as exc:
+            _log.warning("ranks did not meet at exit, tearing down alone: %s", exc)
+    dist.destroy_process_group()
+
+
+def _exiting_on_error() -> bool:
+    """An uncaught exception ends the interpreter (Python sets this before atexit).
+
+    The peers may then be blocked in a collective this rank will never join:
+    leaving at once, without a barrier, closes its sockets and fails them fast.
+    """
+    return (
+        getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+    )
 
 
 class TrainingStep(torch.nn.Module):
