@@ -13,6 +13,7 @@ time for the little this API needs (ADR-0008).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
@@ -21,7 +22,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -45,6 +46,10 @@ from . import Transport
 
 T = TypeVar("T")
 _CHUNK = 1024 * 1024
+_MAX_IDLE = 8  # idle connections kept per transport
+_IDLE_MAX_S = 4.0  # below uvicorn's keep-alive timeout (5 s), after which it closes them
+# How a request fails on a keep-alive connection the server already closed.
+_CLOSED_UNDER_US = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 _POLL_S = 30.0  # the longest single long poll; longer waits loop
 _encode = msgspec.json.encode
 
@@ -73,15 +78,30 @@ class HttpTransport(Transport):
         self._timeout = timeout
         self._retries = retries
         self._ssl = ssl.create_default_context(cafile=ca_file) if self._https else None
-        self._local = threading.local()
+        # Idle keep-alive connections, shared by every thread: a worker's
+        # task threads are short-lived, and a connection each would cost a
+        # TCP handshake (and a new connection on the server) per report.
+        self._idle: list[tuple[float, http.client.HTTPConnection]] = []
+        self._idle_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"HttpTransport({self.url!r})"  # never the token
 
     # ---- plumbing ----
 
-    def _conn(self, timeout: float) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+    def _checkout(self, timeout: float) -> http.client.HTTPConnection:
+        conn = None
+        stale = []
+        now = time.monotonic()
+        with self._idle_lock:
+            while self._idle:
+                used, idle = self._idle.pop()
+                if now - used < _IDLE_MAX_S:
+                    conn = idle
+                    break
+                stale.append(idle)  # the server may have closed it by now
+        for old in stale:
+            old.close()
         if conn is None:
             if self._https:
                 conn = http.client.HTTPSConnection(
@@ -89,17 +109,18 @@ class HttpTransport(Transport):
                 )
             else:
                 conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
-            self._local.conn = conn
         conn.timeout = timeout
         if conn.sock is not None:
             conn.sock.settimeout(timeout)
         return conn
 
-    def _drop(self) -> None:
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
+    def _checkin(self, conn: http.client.HTTPConnection) -> None:
+        """Keep a connection whose last response was read to the end."""
+        with self._idle_lock:
+            if len(self._idle) < _MAX_IDLE:
+                self._idle.append((time.monotonic(), conn))
+                return
+        conn.close()
 
     def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         headers = {"Accept": "application/json"}
@@ -111,7 +132,8 @@ class HttpTransport(Transport):
             headers.update(extra)
         return headers
 
-    def _send(
+    @contextlib.contextmanager
+    def _exchange(
         self,
         method: str,
         path: str,
@@ -120,30 +142,48 @@ class HttpTransport(Transport):
         body: bytes | None = None,
         wait: float = 0.0,
         retry: bool = True,
-    ) -> http.client.HTTPResponse:
-        """One request; connection failures are retried (``retry``) then raise ServerUnreachable."""
+    ) -> Iterator[http.client.HTTPResponse]:
+        """One request, its response for the caller to read. Connection
+        failures are retried (``retry``), then raise ServerUnreachable; error
+        statuses raise. The connection goes back to the pool if the caller
+        read the response to its end."""
         target = self._base + path
         if query:
             target += "?" + urllib.parse.urlencode(query, doseq=True)
         headers = self._headers({"Content-Type": "application/json"} if body is not None else None)
         attempts = self._retries if retry else 1
-        for attempt in range(attempts):
-            conn = self._conn(self._timeout + wait)
+        attempt = 0
+        while True:
+            conn = self._checkout(self._timeout + wait)
+            reused = conn.sock is not None
             try:
                 conn.request(method, target, body=body, headers=headers)
                 response = conn.getresponse()
             except (OSError, http.client.HTTPException) as exc:
-                self._drop()  # a half-used keep-alive connection cannot be trusted
-                if attempt + 1 == attempts:
+                conn.close()  # a half-used keep-alive connection cannot be trusted
+                if reused and isinstance(exc, _CLOSED_UNDER_US):
+                    continue  # the server closed it while idle: a new one, not a retry
+                attempt += 1
+                if attempt == attempts:
                     raise ServerUnreachable(
                         f"cannot reach the GPUlayer server at {self.url}: {exc}"
                     ) from None
-                time.sleep(min(0.05 * 2**attempt, 1.0))  # back off before retrying
+                time.sleep(min(0.05 * 2 ** (attempt - 1), 1.0))  # back off before retrying
                 continue
-            if response.status >= 400:
-                raise self._error(response)
-            return response
-        raise AssertionError("unreachable")
+            break
+        if response.status >= 400:
+            error = self._error(response)
+            self._checkin(conn)
+            raise error
+        try:
+            yield response
+        except BaseException:
+            conn.close()
+            raise
+        if response.isclosed():
+            self._checkin(conn)
+        else:
+            conn.close()
 
     def _error(self, response: http.client.HTTPResponse) -> GPUlayerError:
         raw = response.read()
@@ -170,11 +210,13 @@ class HttpTransport(Transport):
         return TransportError(f"the server refused the request ({status}): {message}")
 
     def _call(self, method: str, path: str, kind: type[T], **kwargs: Any) -> T:
-        response = self._send(method, path, **kwargs)
-        return msgspec.json.decode(response.read(), type=kind)
+        with self._exchange(method, path, **kwargs) as response:
+            raw = response.read()
+        return msgspec.json.decode(raw, type=kind)
 
     def _post(self, path: str, payload: object, **kwargs: Any) -> None:
-        self._send("POST", path, body=_encode(payload), **kwargs).read()
+        with self._exchange("POST", path, body=_encode(payload), **kwargs) as response:
+            response.read()
 
     # ---- clients ----
 
@@ -244,7 +286,7 @@ class HttpTransport(Transport):
             body = _Reader(f, on_progress)
             for attempt in range(self._retries):
                 f.seek(0)
-                conn = self._conn(self._timeout)
+                conn = self._checkout(self._timeout)
                 try:
                     conn.request(
                         "PUT",
@@ -259,34 +301,36 @@ class HttpTransport(Transport):
                     )
                     response = conn.getresponse()
                 except (OSError, http.client.HTTPException) as exc:
-                    self._drop()
+                    conn.close()
                     if attempt + 1 == self._retries:
                         raise ServerUnreachable(f"cannot upload to {self.url}: {exc}") from None
                     continue
                 if response.status >= 400:
-                    raise self._error(response)
+                    error = self._error(response)
+                    self._checkin(conn)
+                    raise error
                 response.read()
+                self._checkin(conn)
                 return digest
         raise AssertionError("unreachable")
 
     def upload_bytes(self, data: bytes) -> str:
         digest = hashlib.sha256(data).hexdigest()
-        response = self._send("PUT", f"/api/v1/blobs/{digest}", body=data)
-        response.read()
+        with self._exchange("PUT", f"/api/v1/blobs/{digest}", body=data) as response:
+            response.read()
         return digest
 
     def download_blob(self, digest: str, cache: ArtifactStore) -> Path:
         if cache.has(digest):
             return cache.path(digest)
-        response = self._send("GET", f"/api/v1/blobs/{digest}")
-        writer = cache.writer(digest)
-        try:
-            while chunk := response.read(_CHUNK):
-                writer.write(chunk)
-        except BaseException:
-            writer.abort()
-            self._drop()
-            raise
+        with self._exchange("GET", f"/api/v1/blobs/{digest}") as response:
+            writer = cache.writer(digest)
+            try:
+                while chunk := response.read(_CHUNK):
+                    writer.write(chunk)
+            except BaseException:
+                writer.abort()
+                raise
         writer.commit()
         return cache.path(digest)
 
@@ -301,7 +345,8 @@ class HttpTransport(Transport):
         return registered
 
     def unregister_worker(self, worker_id: str) -> None:
-        self._send("DELETE", f"/api/v1/workers/{_q(worker_id)}").read()
+        with self._exchange("DELETE", f"/api/v1/workers/{_q(worker_id)}") as response:
+            response.read()
 
     def heartbeat(self, worker_id: str) -> None:
         # Retried: the server may have closed an idle keep-alive connection.
@@ -353,7 +398,10 @@ class HttpTransport(Transport):
         return made.token
 
     def close(self) -> None:
-        self._drop()
+        with self._idle_lock:
+            idle, self._idle = self._idle, []
+        for _, conn in idle:
+            conn.close()
 
 
 class _Token(msgspec.Struct):
