@@ -48,6 +48,7 @@ from .schemas import (
 )
 
 log = logging.getLogger(__name__)
+_MAX_CACHED_TOKENS = 10_000
 T = TypeVar("T")
 
 MAX_POLL_S = 60.0  # a long poll returns empty after this; the caller asks again
@@ -198,6 +199,10 @@ class Api:
         self.artifacts = artifacts
         self.auth_enabled = auth_enabled
         self.metrics = Metrics(plane)
+        # Valid tokens' roles, by Authorization header: every request of a
+        # job would otherwise hash its token and query the store. Tokens are
+        # never revoked or changed by the API, so a known one stays valid.
+        self._roles: dict[str, str] = {}
 
     def guard(
         self, roles: tuple[str, ...] | None, handler: Handler, query: tuple[str, ...] | None = ()
@@ -208,7 +213,13 @@ class Api:
         async def endpoint(request: Request) -> Response:
             try:
                 if roles is not None and self.auth_enabled:
-                    role = auth.role_of(self.plane.store, request.headers.get("authorization"))
+                    header = request.headers.get("authorization") or ""
+                    role = self._roles.get(header)
+                    if role is None:
+                        role = auth.role_of(self.plane.store, header)  # 401 if not valid
+                        if len(self._roles) >= _MAX_CACHED_TOKENS:
+                            self._roles.clear()
+                        self._roles[header] = role
                     auth.require(role, roles)
                     request.state.role = role
                 else:
