@@ -13,15 +13,12 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Route
 
 from ..artifacts import ArtifactStore
 from ..errors import (
@@ -36,6 +33,7 @@ from ..service import ControlPlane
 from ..signals import Unsubscribe
 from . import auth
 from .metrics import Metrics
+from .routing import App, Handler
 from .schemas import (
     BlobList,
     HeartbeatRequest,
@@ -186,9 +184,6 @@ async def until_signal(
         return False
     finally:
         plane.unsubscribe(unsubscribe)
-
-
-Handler = Callable[[Request], Awaitable[Response]]
 
 
 class Api:
@@ -407,33 +402,7 @@ class Api:
         return JSONResponse(document())
 
 
-def _route(path: str, handlers: dict[str, Handler]) -> Route:
-    """One route per path, so that a 405 names every method of the path in ``Allow``."""
-
-    async def dispatch(request: Request) -> Response:
-        return await handlers["GET" if request.method == "HEAD" else request.method](request)
-
-    return Route(path, dispatch, methods=list(handlers))
-
-
-async def _routing_error(request: Request, exc: Exception) -> Response:
-    """Starlette's own 404 (no such path) and 405 (no such method), as JSON errors."""
-    assert isinstance(exc, HTTPException)
-    if exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow", "")
-        message = f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
-    elif exc.status_code == 404:
-        message = f"no endpoint at {request.url.path}"
-    else:
-        message = str(exc.detail)
-    response = _json({"error": message}, exc.status_code)
-    response.headers.update(exc.headers or {})
-    return response
-
-
-def create_app(
-    plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: bool = True
-) -> Starlette:
+def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: bool = True) -> App:
     api = Api(plane, artifacts, auth_enabled=auth_enabled)
     user, worker, both = (auth.USER,), (auth.WORKER,), (auth.USER, auth.WORKER)
     g = api.guard
@@ -462,14 +431,8 @@ def create_app(
         ("GET", f"{v1}/blobs/{{digest:str}}", g(both, api.get_blob)),
         ("POST", f"{v1}/tokens", g((), api.create_token)),
     ]
-    by_path: dict[str, dict[str, Handler]] = {}
-    for method, path, handler in endpoints:
-        by_path.setdefault(path, {})[method] = handler
-    app = Starlette(
-        routes=[_route(path, handlers) for path, handlers in by_path.items()],
-        exception_handlers={HTTPException: _routing_error},
-    )
-    app.state.api = api
+    app = App(endpoints)
+    app.state["api"] = api
     return app
 
 

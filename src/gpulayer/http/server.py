@@ -36,7 +36,7 @@ from ..store.sqlite import SqliteStore
 from . import auth
 
 if TYPE_CHECKING:
-    from starlette.applications import Starlette
+    from .routing import App
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Server:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{scheme}://{host}:{self.port}"
 
-    def app(self) -> Starlette:
+    def app(self) -> App:
         from .app import create_app
 
         app = create_app(self.plane, self.artifacts, auth_enabled=self.auth_enabled)
@@ -162,7 +162,7 @@ class Server:
                     task.cancel()
                 server.close()
 
-        app.router.lifespan_context = lifespan
+        app.lifespan = lifespan
         return app
 
     async def _reap_forever(self) -> None:
