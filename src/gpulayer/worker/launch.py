@@ -23,6 +23,7 @@ same moment can take the port.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 import sys
@@ -107,6 +108,41 @@ def torchrun_argv(
     if spec.script is None:
         argv.append("--no-python")
     return [*argv, *program]
+
+
+def interface_of(address: str | None) -> str | None:
+    """The name of this machine's network interface holding ``address``.
+
+    None for a loopback or unknown address. Gloo (and NCCL) pick the
+    interface their ranks listen on from what the hostname resolves to,
+    often 127.0.0.1 or 127.0.1.1: ranks on other machines then cannot reach
+    them. The interface of the address the worker advertises is the one
+    that reaches the other workers.
+    """
+    if not address:
+        return None
+    try:
+        if ipaddress.ip_address(address).is_loopback:
+            return None
+    except ValueError:
+        return None  # a host name, not an address
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addrs):
+            return name
+    return None
+
+
+def network_env(spec: JobSpec, interface: str | None) -> dict[str, str]:
+    """Which interface a job of several nodes talks on, unless its env says."""
+    if spec.nodes < 2 or interface is None:
+        return {}
+    return {
+        key: interface
+        for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+        if key not in spec.env
+    }
 
 
 def torchrun_env(spec: JobSpec) -> dict[str, str]:

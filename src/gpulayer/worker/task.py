@@ -42,6 +42,7 @@ from ..spec import ArtifactRef
 from ..transport import Transport
 from .gpus import Vendor, visible_devices_env
 from .launch import (
+    network_env,
     rank_env,
     reserve_port,
     split_rank,
@@ -75,6 +76,7 @@ class TaskRun:
         on_spawned: Callable[[TaskRun, list[tuple[int, float | None]]], None] | None = None,
         report: Callable[[Callable[[], None]], None] = lambda deliver: deliver(),
         defer_started: float | None = None,
+        interface: str | None = None,
     ) -> None:
         self.task = task
         self.worker_id = worker_id
@@ -88,6 +90,7 @@ class TaskRun:
         self.marks = {"acquired": acquired}
         self.on_done = on_done
         self.on_spawned = on_spawned  # told each process's (pid, start time) once started
+        self.interface = interface  # where ranks of a job of several nodes talk (launch.py)
         self.report = report  # delivers a report now, or later if the server is away
         # Over a network, a task's start is reported only once it has run this
         # long (a short task's start goes with its end: one request fewer).
@@ -254,6 +257,9 @@ class TaskRun:
         spec, task = self.task.spec, self.task
         assert self._master_port is not None
         addr = task.master_addr or "127.0.0.1"
+        env = env.copy()
+        for key, value in network_env(spec, self.interface).items():
+            env[os.fsencode(key)] = os.fsencode(value)
         if spec.launcher == "torchrun":
             program = (
                 [spec.script, *spec.args] if spec.script else [*(spec.command or []), *spec.args]

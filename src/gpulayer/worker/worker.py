@@ -29,6 +29,7 @@ from ..errors import InvalidStateError, ServerUnreachable, WorkerError
 from ..jobs import CancelTask, Rendezvous, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
 from .gpus import Gpu, detect_gpus
+from .launch import interface_of
 from .ledger import Ledger
 from .logs import LogSender
 from .outbox import Outbox
@@ -99,6 +100,7 @@ class Worker:
         # A worker process of its own keeps a ledger of its tasks' processes,
         # for the next one on this home to end if it dies (see ledger.py).
         self._ledger = Ledger(work_dir) if ledger else None
+        self._interface: str | None = None  # of its advertised address (launch.py)
 
     @property
     def id(self) -> str:
@@ -114,6 +116,7 @@ class Worker:
         self.info = self.transport.register_worker(self.info)
         if self._ledger is not None:
             self._ledger.set_worker_id(self.info.id)
+        self._interface = interface_of(self.info.address)
         self.tasks_dir = self.work_dir / self.info.id
         self._spares = [make_spare(self._new_dir()) for _ in self.info.slot_gpus[:4]]
         self._thread = threading.Thread(
@@ -214,6 +217,7 @@ class Worker:
             acquired=acquired,
             on_done=self._task_done,
             on_spawned=None if self._ledger is None else self._task_spawned,
+            interface=self._interface,
             report=self._outbox.send,
             defer_started=defaults.REPORT_STARTED_AFTER_S if self.heartbeat_interval else None,
         )

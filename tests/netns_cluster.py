@@ -1,0 +1,319 @@
+"""A GPUlayer server and workers, each on its own "host": a Linux network namespace.
+
+Used by ``tests/server/test_multihost_netns.py`` and by
+``benchmarks/distributed_startup.py --netns``. Needs root (``ip netns add``);
+:func:`netns_unavailable` says why not when it cannot be done.
+
+The layout, for a cluster numbered ``n`` in process ``pid``, on a free subnet
+``10.A.B.0/24``::
+
+    root namespace (this process, the client)
+      glPIDcN  10.A.B.254 ----+
+                              |  veth pairs into a bridge of their own
+    gpulayer-PID-N-hub        |  (a namespace of its own too, so the host's
+      br0 ----+---------------+   firewall and bridge-netfilter settings
+              |                   never see the traffic)
+              +-- gpulayer-PID-N-server  gl0  10.A.B.1  `gpulayer server start`
+              +-- gpulayer-PID-N-w0      gl0  10.A.B.2  `gpulayer worker start`
+              +-- gpulayer-PID-N-w1      gl0  10.A.B.3  `gpulayer worker start`
+
+Every namespace has its loopback up. The interface inside each namespace is
+named ``gl0`` (:data:`IFNAME`). Jobs need not name it: each worker sets
+``GLOO_SOCKET_IFNAME`` to the interface of the address it advertises.
+
+Everything is removed by :meth:`NetnsCluster.close`, whatever happened before:
+processes (those left inside the namespaces too), the root-side veth, the
+namespaces. Names carry the pid and a counter, so parallel runs (pytest-xdist)
+do not clash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import gpulayer
+
+IFNAME = "gl0"
+SERVER_PORT = 8585  # the server's namespace is its own: no port can clash
+
+_counter = itertools.count()
+
+
+def _run(argv: list[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if check and done.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(argv)} failed (exit {done.returncode}): {done.stderr.strip()}"
+        )
+    return done
+
+
+def netns_unavailable() -> str | None:
+    """``None`` if this process may create network namespaces, else why not."""
+    if sys.platform != "linux":
+        return f"network namespaces are Linux only (this is {sys.platform})"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed, so `ip netns add` cannot run"
+    probe = f"gpulayer-probe-{os.getpid()}-{next(_counter)}"
+    made = _run(["ip", "netns", "add", probe], check=False)
+    if made.returncode != 0:
+        who = "as root" if os.geteuid() == 0 else f"as uid {os.geteuid()}, not root"
+        return (
+            f"`ip netns add` is not permitted here ({who}): {made.stderr.strip()}; "
+            "creating network namespaces needs root (CAP_SYS_ADMIN)"
+        )
+    _run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+def _free_subnet() -> str:
+    """A ``10.A.B`` prefix no interface or route of this namespace uses yet."""
+    used = _run(["ip", "-4", "-o", "addr"]).stdout + _run(["ip", "-4", "route"]).stdout
+    pid = os.getpid()
+    for i in range(256):
+        key = (pid + i * 7919) % 12800  # spread parallel runs over 50 x 256 subnets
+        prefix = f"10.{200 + key // 256}.{key % 256}"
+        if not re.search(rf"(?<![\d.]){re.escape(prefix)}\.", used):
+            return prefix
+    raise RuntimeError("no free 10.x.y.0/24 subnet for the test network")
+
+
+class Network:
+    """A hub namespace with a bridge, named namespaces on it, and this process's veth."""
+
+    def __init__(self, hosts: list[str]) -> None:
+        n = next(_counter)
+        pid = os.getpid()
+        self.prefix = _free_subnet()
+        self.hub = f"gpulayer-{pid}-{n}-hub"
+        self.root_if = f"gl{pid}c{n}"[:15]
+        self.root_addr = f"{self.prefix}.254"
+        self.namespaces = {host: f"gpulayer-{pid}-{n}-{host}" for host in hosts}
+        self.addresses = {host: f"{self.prefix}.{i + 1}" for i, host in enumerate(hosts)}
+        self._made: list[str] = []  # namespaces that exist, for close()
+        self._root_if_made = False
+
+    def create(self) -> None:
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+
+    def _create(self) -> None:
+        hub = self.hub
+        _run(["ip", "netns", "add", hub])
+        self._made.append(hub)
+        self.ns_run(hub, "ip", "link", "set", "lo", "up")
+        self.ns_run(hub, "ip", "link", "add", "br0", "type", "bridge")
+        self.ns_run(hub, "ip", "link", "set", "br0", "up")
+        for i, (host, ns) in enumerate(self.namespaces.items()):
+            _run(["ip", "netns", "add", ns])
+            self._made.append(ns)
+            port = f"p{i}"
+            self.ns_run(ns, "ip", "link", "set", "lo", "up")
+            _run(["ip", "link", "add", IFNAME, "netns", ns, "type", "veth",
+                  "peer", "name", port, "netns", hub])  # fmt: skip
+            self.ns_run(ns, "ip", "addr", "add", f"{self.addresses[host]}/24", "dev", IFNAME)
+            self.ns_run(ns, "ip", "link", "set", IFNAME, "up")
+            self.ns_run(hub, "ip", "link", "set", port, "master", "br0")
+            self.ns_run(hub, "ip", "link", "set", port, "up")
+        _run(["ip", "link", "add", self.root_if, "type", "veth", "peer", "name", "up0",
+              "netns", hub])  # fmt: skip
+        self._root_if_made = True
+        _run(["ip", "addr", "add", f"{self.root_addr}/24", "dev", self.root_if])
+        _run(["ip", "link", "set", self.root_if, "up"])
+        self.ns_run(hub, "ip", "link", "set", "up0", "master", "br0")
+        self.ns_run(hub, "ip", "link", "set", "up0", "up")
+
+    def ns_run(self, ns: str, *argv: str) -> subprocess.CompletedProcess[str]:
+        return _run(["ip", "netns", "exec", ns, *argv])
+
+    def exec_argv(self, host: str, argv: list[str]) -> list[str]:
+        """``argv`` run inside ``host``'s namespace (``ip netns exec`` execs it: same pid)."""
+        return ["ip", "netns", "exec", self.namespaces[host], *argv]
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL whatever still runs inside the namespaces (only what we started)."""
+        for ns in self._made:
+            pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
+
+    def close(self) -> None:
+        self.kill_leftovers()
+        if self._root_if_made:
+            # Deleting the peer's namespace would remove it too, but only later,
+            # in the kernel's own time; delete it now so its route goes at once.
+            _run(["ip", "link", "del", self.root_if], check=False)
+            self._root_if_made = False
+        for ns in reversed(self._made):
+            _run(["ip", "netns", "del", ns], check=False)
+        self._made.clear()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class NetnsCluster:
+    """``gpulayer server start`` in one namespace, ``workers`` one-slot workers
+    each in its own; this process reaches them through its veth.
+
+    ``with NetnsCluster(workers=2) as cluster: client = cluster.client()``.
+    Raises ``RuntimeError`` (with the processes' last output) if something
+    does not come up; cleans up before raising.
+    """
+
+    def __init__(
+        self,
+        *,
+        workers: int = 2,
+        slots: int = 1,
+        kill_grace: float = 0.5,
+        root: Path | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        self.worker_hosts = [f"w{i}" for i in range(workers)]
+        self.net = Network(["server", *self.worker_hosts])
+        self.slots = slots
+        self.kill_grace = kill_grace
+        self.python = python
+        self._tmp = None if root else tempfile.TemporaryDirectory(prefix="gpulayer-netns-")
+        self.root = root or Path(self._tmp.name)  # type: ignore[union-attr]
+        self.server_addr = self.net.addresses["server"]
+        self.url = f"http://{self.server_addr}:{SERVER_PORT}"
+        self.admin = ""
+        self.server: subprocess.Popen[bytes] | None = None
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.worker_names = {host: f"netns-{os.getpid()}-{host}" for host in self.worker_hosts}
+
+    @property
+    def worker_addresses(self) -> dict[str, str]:
+        """Each worker's name and its namespace's address."""
+        return {self.worker_names[h]: self.net.addresses[h] for h in self.worker_hosts}
+
+    def __enter__(self) -> NetnsCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _cli(self, *argv: str) -> list[str]:
+        return [self.python, "-m", "gpulayer.cli", *argv]
+
+    def _spawn(
+        self, host: str, argv: list[str], log: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        # Output to a file: a pipe nobody reads could fill and stall the process.
+        # Own session: a Ctrl-C reaches only the caller, which stops them in order.
+        with log.open("wb") as out:
+            return subprocess.Popen(
+                self.net.exec_argv(host, argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def start(self) -> None:
+        self.net.create()
+        home, log = self.root / "server", self.root / "server.log"
+        argv = self._cli(
+            "--home", str(home), "server", "start", "--host", self.server_addr,
+            "--port", str(SERVER_PORT), "--heartbeat-timeout", "30",
+        )  # fmt: skip
+        self.server = self._spawn("server", argv, log)
+        deadline = time.monotonic() + 60
+        while not self._healthy():
+            if self.server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start in its namespace:\n{_tail(log)}")
+            time.sleep(0.05)  # another process is binding: nothing to block on
+        self.admin = (home / "admin-token").read_text().strip()
+        env = {**os.environ, "GPULAYER_TOKEN": self.admin}
+        logs = []
+        for host in self.worker_hosts:
+            log = self.root / f"worker-{host}.log"
+            argv = self._cli(
+                "--home", str(self.root / f"worker-{host}"), "--server", self.url,
+                "worker", "start", "--slots", str(self.slots),
+                "--name", self.worker_names[host], "--kill-grace", str(self.kill_grace),
+            )  # fmt: skip
+            self.workers.append(self._spawn(host, argv, log, env))
+            logs.append((self.workers[-1], log))
+        deadline = time.monotonic() + 60
+        for proc, log in logs:  # "gpulayer: worker <id> (...) serving URL" once registered
+            while "serving" not in _tail(log):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"a worker did not register:\n{_tail(log)}")
+                time.sleep(0.05)
+
+    def _healthy(self) -> bool:
+        conn = http.client.HTTPConnection(self.server_addr, SERVER_PORT, timeout=1)
+        try:
+            conn.request("GET", "/healthz")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+        finally:
+            conn.close()
+
+    def client(self) -> gpulayer.Client:
+        """A client of the server, with the admin token."""
+        return gpulayer.Client(self.url, token=self.admin)
+
+    def logs(self) -> str:
+        """The last lines of every process's output, for a failure message."""
+        parts = [f"--- server ---\n{_tail(self.root / 'server.log')}"]
+        parts += [
+            f"--- worker {h} ---\n{_tail(self.root / f'worker-{h}.log')}" for h in self.worker_hosts
+        ]
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        try:
+            for proc in self.workers:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in self.workers:
+                _stop(proc)
+            if self.server is not None:
+                _stop(self.server)
+        finally:
+            try:
+                self.net.close()
+            finally:
+                if self._tmp is not None:
+                    self._tmp.cleanup()
+                    self._tmp = None
+
+
+def _stop(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
