@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -163,26 +164,37 @@ async def until_signal(
     subscribe: Callable[[Callable[[], None]], Unsubscribe | None],
     timeout: float,
 ) -> bool:
-    """Await one firing of a control-plane signal, or ``timeout``; True if it fired."""
+    """Await one firing of a control-plane signal, or ``timeout``; True if it fired.
+
+    Lean on purpose: a placement wakes the worker's long poll from inside
+    the request that placed it, on this loop's thread, and every hop of the
+    loop before the waiting request resumes is on the job's path. So a
+    firing on the loop's thread settles the future at once (no self-pipe
+    write), and the timeout is one timer rather than ``asyncio.wait_for``'s
+    wrapper task and futures.
+    """
     loop = asyncio.get_running_loop()
     fired = loop.create_future()
+    loop_thread = threading.get_ident()
 
-    def settle() -> None:
+    def settle(result: bool) -> None:
         if not fired.done():
-            fired.set_result(None)
+            fired.set_result(result)
 
     def wake() -> None:  # called under the control plane's lock, maybe from another thread
-        loop.call_soon_threadsafe(settle)
+        if threading.get_ident() == loop_thread:
+            settle(True)
+        else:
+            loop.call_soon_threadsafe(settle, True)
 
     unsubscribe = subscribe(wake)
     if unsubscribe is None:
         return True
+    timer = loop.call_later(timeout, settle, False)
     try:
-        await asyncio.wait_for(fired, timeout)
-        return True
-    except TimeoutError:
-        return False
+        return bool(await fired)
     finally:
+        timer.cancel()
         plane.unsubscribe(unsubscribe)
 
 
@@ -245,7 +257,11 @@ class Api:
 
     async def submit(self, request: Request) -> Response:
         body = await _body(request, SubmitRequest)
-        return _json(self.plane.submit(body.spec, body.id), 201)
+        job = self.plane.submit(body.spec, body.id)
+        # Placed at once? Let the worker's long poll answer first: it is on
+        # the job's path, this reply is not.
+        await asyncio.sleep(0)
+        return _json(job, 201)
 
     async def list_jobs(self, request: Request) -> Response:
         states = request.query_params.getlist("state")
@@ -376,6 +392,8 @@ class Api:
 
     async def task_finished(self, request: Request) -> Response:
         self.plane.task_finished(await _body(request, TaskResult), yield_to_waiters=False)
+        # The waiting client's reply (and a next task's) go before this one.
+        await asyncio.sleep(0)
         return Response(status_code=204)
 
     # ---- admin and operations ----
