@@ -10,7 +10,9 @@ noisy machine:
 4. GPUlayer throughput: `--jobs` jobs on `--workers` local workers;
    (3) and (4) alternate for `--rounds` bursts each, medians reported;
 5. submits per second into the embedded store, with no worker taking them;
-6. import time of `gpulayer` and of the worker's import path.
+6. import time of `gpulayer` and of the worker's import path;
+7. with ``--server``, the CPU time the server, the workers and the client
+   spend per job during the GPUlayer bursts.
 
 With ``--server`` the same figures (1-5) go through a real `gpulayer server`
 process and real `gpulayer worker` processes on loopback, started in a
@@ -91,23 +93,45 @@ def throughput(jobs: int, workers: int, rounds: int) -> dict[str, float]:
 
 
 def measure_burst(
-    client: gpulayer.Client, jobs: int, workers: int, rounds: int
+    client: gpulayer.Client,
+    jobs: int,
+    workers: int,
+    rounds: int,
+    processes: dict[str, list[int]] | None = None,
 ) -> dict[str, float]:
-    """Bare and GPUlayer bursts alternate; each reports its median round."""
+    """Bare and GPUlayer bursts alternate; each reports its median round.
+
+    ``processes`` (name -> pids; "client" is this process) get their CPU time
+    over the GPUlayer bursts reported per job, as ``cpu_ms_per_job_<name>``.
+    """
+    import psutil
+
+    procs = {name: [psutil.Process(p) for p in pids] for name, pids in (processes or {}).items()}
+
+    def cpu() -> dict[str, float]:
+        return {n: sum(sum(p.cpu_times()[:2]) for p in ps) for n, ps in procs.items()}
+
     bare, ours = [], []
+    spent = dict.fromkeys(procs, 0.0)
     with ThreadPoolExecutor(workers) as pool:
         gpulayer_once(client)  # warm
         for _ in range(rounds):
             start = time.perf_counter()
             list(pool.map(lambda _: subprocess.run(NOOP, check=True), range(jobs)))
             bare.append(jobs / (time.perf_counter() - start))
+            before = cpu()
             start = time.perf_counter()
             handles = [client.submit(command=NOOP) for _ in range(jobs)]
             states = [h.wait() for h in handles]
             ours.append(jobs / (time.perf_counter() - start))
+            for name, seconds in cpu().items():
+                spent[name] += seconds - before[name]
             assert states == ["succeeded"] * jobs
     b, o = statistics.median(bare), statistics.median(ours)
-    return {"bare_jobs_per_s": b, "gpulayer_jobs_per_s": o, "ratio": o / b}
+    result = {"bare_jobs_per_s": b, "gpulayer_jobs_per_s": o, "ratio": o / b}
+    for name, seconds in spent.items():
+        result[f"cpu_ms_per_job_{name}"] = 1000 * seconds / (jobs * rounds)
+    return result
 
 
 def submits(count: int) -> dict[str, float]:
@@ -284,7 +308,13 @@ def server_single(repeat: int) -> dict[str, object]:
 def server_throughput(jobs: int, workers: int, rounds: int) -> dict[str, float]:
     with LoopbackServer() as srv, srv.client() as client:
         srv.start_workers(workers)
-        return measure_burst(client, jobs, workers, rounds)
+        assert srv.proc is not None
+        processes = {
+            "server": [srv.proc.pid],
+            "workers": [w.pid for w in srv.workers],
+            "client": [os.getpid()],
+        }
+        return measure_burst(client, jobs, workers, rounds, processes)
 
 
 def server_submits(count: int) -> dict[str, float]:
@@ -336,6 +366,12 @@ def main_server(args: argparse.Namespace, machine: str) -> None:
                 f"{burst['ratio']:.3f}x bare (target >= 0.85)",
             ),
             ("submits over HTTP, one client", f"{http['submits_per_s']:.0f} /s", "target >= 1000"),
+            (
+                "CPU per job in the burst",
+                f"server {burst['cpu_ms_per_job_server']:.2f} ms",
+                f"workers {burst['cpu_ms_per_job_workers']:.2f} ms, "
+                f"client {burst['cpu_ms_per_job_client']:.2f} ms",
+            ),
         ]
     )
     print(
