@@ -1,0 +1,305 @@
+"""The control plane's shared state and the steps every part of it takes.
+
+:class:`PlaneCore` holds the state (queue, running jobs, workers, waiters)
+and the internal steps that change it: placing, recording placements,
+dispatching them to workers, releasing slots and ending an attempt. The
+public operations are in :mod:`.fleet` (what workers do), :mod:`.recovery`
+(taking over after a crash) and :mod:`.plane` (what clients do). Every
+method here is called with ``self._lock`` held.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from .. import jobs
+from ..jobs import CancelTask, JobInfo, RunTask, TaskResult
+from ..scheduler import Assignment, Request, place
+from ..signals import Signal
+from ..store import Store, Transaction
+from .state import (
+    Done,
+    LiveWorker,
+    NodeTask,
+    Pending,
+    Running,
+    by_job,
+    decisive,
+    failures,
+    task_infos,
+)
+
+log = logging.getLogger(__name__)
+
+
+class PlaneCore:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        instance_id: str,
+        clock: Callable[[], float] = time.time,
+        kill_orphan: Callable[[int, float | None], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.instance_id = instance_id
+        self._clock = clock
+        self._kill_orphan = kill_orphan
+        self._lock = threading.Lock()
+        self._logs: dict[str, Signal] = {}  # job id -> followers of its logs
+        self._queue: dict[str, Pending] = {}
+        # The queue's keys in rank order, so placement reads only its head.
+        self._order: list[tuple[int, int, str]] = []
+        self._running: dict[str, Running] = {}
+        self._workers: dict[str, LiveWorker] = {}
+        self._done: dict[str, Done] = {}
+        self._seq = max((j.seq for j in store.list_jobs(limit=1)), default=0)
+
+    def _conclude(self, job_id: str, run: Running, result: TaskResult, now: float) -> bool:
+        """The attempt ended with ``result``: finish the job or queue it again.
+        Returns whether the job is final."""
+        cancel = run.cancel_requested
+        if not cancel and not (result.outcome == "exited" and result.exit_code == 0):
+            # A cancel from another process on this home is only in the store.
+            stored = self.store.get_job(job_id)
+            cancel = cancel or bool(stored and stored.cancel_requested)
+        state, again = jobs.next_state(
+            result,
+            cancel_requested=cancel,
+            attempt=run.attempt,
+            max_retries=run.spec.max_retries,
+        )
+        reason = "cancelled" if state == jobs.CANCELLED else jobs.describe_failure(result)
+        marks = dict(result.marks)
+        if len(run.tasks) > 1:
+            # Its stages span every node: started when the last started,
+            # exited when the last exited.
+            marks.update(
+                {k: run.marks[k] for k in ("acquired", "prepared", "started") if k in run.marks}
+            )
+            exits = [r.marks["exited"] for r in run.results if "exited" in r.marks]
+            if exits:
+                marks["exited"] = max(exits)
+        marks["finished"] = now
+        self._release(job_id)
+        if again:
+            self._requeue(job_id, run)
+        assignments = self._plan()
+        with self.store.transaction() as tx:
+            if again:
+                tx.requeue(
+                    job_id,
+                    reason=f"retrying after attempt {run.attempt} {state}: {reason}",
+                    owner=self.instance_id,
+                )
+            else:
+                tx.finish(
+                    job_id,
+                    state=state,
+                    exit_code=result.exit_code,
+                    reason=reason,
+                    marks=marks,
+                    outputs=result.outputs,
+                )
+            self._record(tx, assignments, now)
+        self._dispatch(assignments, now)
+        if not again:
+            first = run.tasks[0]
+            final = JobInfo(
+                id=job_id,
+                spec=run.spec,
+                state=state,
+                seq=run.seq,
+                attempt=run.attempt,
+                owner=self.instance_id,
+                worker=first.worker_id,
+                slots=list(first.slots),
+                gpus=list(first.gpus),
+                exit_code=result.exit_code,
+                reason=reason,
+                cancel_requested=cancel,
+                marks={**run.marks, **marks},
+                outputs=result.outputs,
+                tasks=task_infos(run.tasks) if run.spec.distributed else [],
+            )
+            self._signal_done(job_id, final)
+        return not again
+
+    def _task_ended(
+        self, job_id: str, run: Running, task: NodeTask, result: TaskResult, now: float
+    ) -> bool:
+        """One node of a job of several ended. The first failure ends the
+        other nodes; the job ends with its last node. Returns whether the job
+        is final."""
+        task.ended = True
+        self._release_task(job_id, task)
+        run.results.append(result)
+        failed = not (result.outcome == "exited" and result.exit_code == 0)
+        if failed and result.outcome != "cancelled" and len(failures(run)) == 1:
+            self._cancel_tasks(job_id, run)
+        if all(t.ended for t in run.tasks):
+            return self._conclude(job_id, run, decisive(run), now)
+        # Its slots are free: something else may fit now.
+        assignments = self._plan()
+        if assignments:
+            with self.store.transaction() as tx:
+                self._record(tx, assignments, now)
+            self._dispatch(assignments, now)
+        return False
+
+    def _node_lost(self, job_id: str, worker_id: str, reason: str, now: float) -> None:
+        run = self._running.get(job_id)
+        task = run.task_on(worker_id) if run is not None else None
+        if run is None or task is None or task.ended:
+            return
+        result = TaskResult(
+            job_id=job_id,
+            attempt=run.attempt,
+            worker_id=worker_id,
+            outcome="lost",
+            error=reason,
+            node=task.node,
+        )
+        self._task_ended(job_id, run, task, result, now)
+
+    def _cancel_tasks(self, job_id: str, run: Running) -> None:
+        for task in run.tasks:
+            worker = self._workers.get(task.worker_id)
+            if worker is not None and not task.ended:
+                worker.inbox.append(CancelTask(job_id=job_id, attempt=run.attempt))
+                worker.wake.fire()
+
+    # ---- internals (call with self._lock held) -------------------------
+
+    def _enqueue(self, pending: Pending) -> None:
+        req = pending.request
+        self._queue[req.job_id] = pending
+        bisect.insort(self._order, (-req.priority, req.seq, req.job_id))
+
+    def _dequeue(self, job_id: str) -> Pending:
+        pending = self._queue.pop(job_id)
+        req = pending.request
+        key = (-req.priority, req.seq, job_id)
+        del self._order[bisect.bisect_left(self._order, key)]
+        return pending
+
+    def _open_workers(self) -> list[LiveWorker]:
+        return [w for w in self._workers.values() if w.connected and not w.closed]
+
+    def _plan(self) -> list[Assignment]:
+        if not self._queue:
+            return []
+        caps = [w.capacity() for w in self._open_workers() if w.free]
+        if not caps:
+            return []
+        return place((self._queue[key[2]].request for key in self._order), caps)
+
+    def _record(self, tx: Transaction, assignments: list[Assignment], now: float) -> None:
+        """Store placements. One whose job is no longer queued in the store (a
+        cancel from another process) is dropped from the queue and from
+        ``assignments``, so it is not dispatched."""
+        for group in by_job(assignments):
+            a = group[0]
+            pending = self._queue[a.job_id]
+            placed = tx.place(
+                a.job_id,
+                worker=a.worker_id,
+                slots=a.slots,
+                gpus=a.gpus,
+                attempt=pending.attempt + 1,
+                at=now,
+                tasks=task_infos(group) if pending.spec.distributed else (),
+            )
+            if not placed:
+                for gone in group:
+                    assignments.remove(gone)
+                self._dequeue(a.job_id)
+                self._signal_done(a.job_id)
+
+    def _dispatch(self, assignments: list[Assignment], now: float) -> None:
+        """Apply committed placements in memory and wake the chosen workers."""
+        for group in by_job(assignments):
+            job_id = group[0].job_id
+            pending = self._dequeue(job_id)
+            attempt = pending.attempt + 1
+            spec = pending.spec
+            tasks = [NodeTask(node, a.worker_id, a.slots, a.gpus) for node, a in enumerate(group)]
+            self._running[job_id] = Running(
+                attempt,
+                spec,
+                pending.request.seq,
+                tasks,
+                {"submitted": pending.submitted, "placed": now},
+            )
+            # Rank 0 listens on node 0, at the address its worker advertises.
+            master = None
+            if spec.distributed:
+                master = (
+                    self._workers[tasks[0].worker_id].info.address if len(tasks) > 1 else None
+                ) or "127.0.0.1"
+            for task in tasks:
+                worker = self._workers[task.worker_id]
+                worker.free.difference_update(task.slots)
+                worker.running.add(job_id)
+                worker.inbox.append(
+                    RunTask(
+                        placed=now,
+                        job_id=job_id,
+                        attempt=attempt,
+                        spec=spec,
+                        slots=list(task.slots),
+                        gpus=list(task.gpus),
+                        node=task.node,
+                        master_addr=master,
+                    )
+                )
+                worker.wake.fire()
+
+    def _release(self, job_id: str) -> Running:
+        run = self._running.pop(job_id)
+        for task in run.tasks:
+            if not task.ended:
+                self._release_task(job_id, task)
+        return run
+
+    def _release_task(self, job_id: str, task: NodeTask) -> None:
+        worker = self._workers.get(task.worker_id)
+        if worker is not None:
+            worker.free.update(task.slots)
+            worker.running.discard(job_id)
+
+    def _requeue(self, job_id: str, run: Running) -> None:
+        spec = run.spec
+        request = Request(job_id, spec.priority, run.seq, spec.gpus, spec.nodes)
+        self._enqueue(Pending(request, spec, run.attempt, run.marks["submitted"]))
+
+    def _end_lost(
+        self, tx: Transaction, run: Running, job_id: str, reason: str, now: float
+    ) -> None:
+        if run.attempt <= run.spec.max_retries:
+            self._requeue(job_id, run)
+            tx.requeue(job_id, reason=f"retrying: {reason}", owner=self.instance_id)
+        else:
+            tx.finish(
+                job_id,
+                state=jobs.LOST,
+                exit_code=None,
+                reason=reason,
+                marks={"finished": now},
+                outputs={},
+            )
+            self._signal_done(job_id)
+
+    def _signal_done(self, job_id: str, final: JobInfo | None = None) -> None:
+        done = self._done.pop(job_id, None)
+        if done is not None:
+            # Hand waiters the record (saves each a read of the store).
+            done.job = final or self.store.get_job(job_id)
+            done.signal.fire()
+        logs = self._logs.pop(job_id, None)
+        if logs is not None:
+            logs.fire()

@@ -1,0 +1,314 @@
+"""What workers do: register, heartbeat, take tasks, report on them.
+
+A worker's long poll (:meth:`Fleet.acquire`, or :meth:`Fleet.watch_worker`
+for an event loop) returns the moment work is placed on it. Its reports
+(started, the master port of a distributed job, logs, finished) move the
+job along; a report from an attempt that already ended changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from .. import defaults
+from ..errors import InvalidStateError
+from ..ids import new_id
+from ..jobs import (
+    CancelTask,
+    Instruction,
+    LogLine,
+    Rendezvous,
+    RunTask,
+    TaskResult,
+    TaskStarted,
+    WorkerInfo,
+)
+from ..signals import Unsubscribe, wait_on
+from .core import PlaneCore, log
+from .state import LiveWorker, Running
+
+
+class Fleet(PlaneCore):
+    # ---- workers -------------------------------------------------------
+
+    def register_worker(
+        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = ()
+    ) -> WorkerInfo:
+        """Add a worker, or re-attach one that was here before (same id).
+
+        A returning worker names the tasks it still runs (job id, attempt):
+        those stay running; the ones it no longer has end as lost (or are
+        retried); ones this control plane has already given up on are
+        cancelled on the worker.
+        """
+        now = self._clock()
+        info.id = info.id or new_id()
+        info.instance = self.instance_id
+        info.started = info.last_seen = now
+        reported = set(running)
+        with self._lock:
+            worker = self._workers.get(info.id)
+            lost: dict[str, Running] = {}
+            gang_lost: list[str] = []  # tasks of jobs of several nodes it no longer has
+            if worker is None:
+                worker = LiveWorker(info=info, free=set(range(len(info.slot_gpus))), inbox=deque())
+                self._workers[info.id] = worker
+            else:
+                worker.info, worker.connected, worker.closed = info, True, False
+                for job_id in list(worker.running):
+                    run = self._running[job_id]
+                    if (job_id, run.attempt) in reported:
+                        continue
+                    if len(run.tasks) == 1:
+                        lost[job_id] = self._release(job_id)
+                    else:
+                        gang_lost.append(job_id)
+                # Its slots are what it says now (it may have fewer), less
+                # those its re-attached tasks hold.
+                held = {
+                    s
+                    for job_id in worker.running
+                    for task in self._running[job_id].tasks
+                    if task.worker_id == info.id
+                    for s in task.slots
+                }
+                worker.free = set(range(len(info.slot_gpus))) - held
+                worker._capacity = None
+            worker.last_seen = now
+            for job_id, attempt in reported:
+                held_run = self._running.get(job_id)
+                if (
+                    held_run is None
+                    or held_run.attempt != attempt
+                    or held_run.task_on(info.id) is None
+                ):
+                    worker.inbox.append(CancelTask(job_id=job_id, attempt=attempt))
+            with self.store.transaction() as tx:
+                for job_id, run in lost.items():
+                    if run.started:
+                        self._end_lost(tx, run, job_id, "its worker came back without it", now)
+                    else:  # placed, but it never reached the worker: not an attempt
+                        run.attempt -= 1
+                        self._requeue(job_id, run)
+                        tx.requeue(job_id, reason=None, owner=self.instance_id)
+                tx.upsert_worker(info)
+                assignments = self._plan()
+                self._record(tx, assignments, now)
+            self._dispatch(assignments, now)
+            for job_id in gang_lost:
+                self._node_lost(job_id, info.id, "its worker came back without it", now)
+            if worker.inbox:
+                worker.wake.fire()
+        return info
+
+    def heartbeat(self, worker_id: str) -> None:
+        """A worker is alive (any request from it counts as one too)."""
+        with self._lock:
+            self._live(worker_id).last_seen = self._clock()
+
+    def reap(self, timeout: float) -> list[str]:
+        """Declare lost the workers silent for ``timeout`` seconds; their ids."""
+        now = self._clock()
+        with self._lock:
+            silent = [w for w in self._workers.values() if now - w.last_seen > timeout]
+        for worker in silent:
+            quiet = now - worker.last_seen
+            self.unregister_worker(
+                worker.info.id,
+                reason=f"its worker {worker.info.name} stopped heartbeating ({quiet:.0f} s without a word)",
+            )
+        return [w.info.id for w in silent]
+
+    def unregister_worker(self, worker_id: str, reason: str = "its worker stopped") -> None:
+        """Detach a worker; jobs it still runs are retried or end lost."""
+        with self._lock:
+            worker = self._workers.pop(worker_id, None)
+            if worker is None:
+                return
+            worker.closed = True
+            worker.wake.fire()
+            now = self._clock()
+            gangs = [j for j in worker.running if len(self._running[j].tasks) > 1]
+            for job_id in gangs:
+                self._node_lost(job_id, worker_id, reason, now)
+            worker.running.difference_update(gangs)
+            lost = {job_id: self._release(job_id) for job_id in list(worker.running)}
+            with self.store.transaction() as tx:
+                for job_id, run in lost.items():
+                    self._end_lost(tx, run, job_id, reason, now)
+                assignments = self._plan()
+                tx.delete_worker(worker_id)
+                self._record(tx, assignments, now)
+            self._dispatch(assignments, now)
+
+    def close_workers(self) -> None:
+        """Place nothing more on any worker (the control plane is shutting down)."""
+        with self._lock:
+            for worker in self._workers.values():
+                worker.closed = True
+                worker.wake.fire()
+
+    def acquire(
+        self, worker_id: str, timeout: float = defaults.ACQUIRE_TIMEOUT_S
+    ) -> list[Instruction]:
+        """The worker's long poll: returns at once when work is placed on it."""
+        with self._lock:
+            worker = self._live(worker_id)
+            worker.last_seen = self._clock()
+            if not worker.inbox and not worker.closed:
+                wait_on(self._lock, worker.wake, timeout)
+            return self._drain(worker)
+
+    def watch_worker(
+        self, worker_id: str, callback: Callable[[], None]
+    ) -> tuple[list[Instruction], Unsubscribe | None]:
+        """Instructions waiting for the worker, or a subscription for the next ones."""
+        with self._lock:
+            worker = self._live(worker_id)
+            worker.last_seen = self._clock()
+            if worker.inbox or worker.closed:
+                return self._drain(worker), None
+            return [], worker.wake.subscribe(callback)
+
+    def take_instructions(self, worker_id: str) -> list[Instruction]:
+        with self._lock:
+            return self._drain(self._live(worker_id))
+
+    def _live(self, worker_id: str) -> LiveWorker:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            raise InvalidStateError(f"worker {worker_id} is not registered with this control plane")
+        if not worker.connected:
+            # Known from before a restart: it must say what it still runs.
+            raise InvalidStateError(
+                f"worker {worker_id} is not registered with this control plane since it restarted"
+            )
+        return worker
+
+    def _drain(self, worker: LiveWorker) -> list[Instruction]:
+        items = list(worker.inbox)
+        worker.inbox.clear()
+        for item in items:
+            if type(item) is RunTask:
+                run = self._running.get(item.job_id)
+                task = run.task_on(worker.info.id) if run is not None else None
+                if task is not None:
+                    task.delivered = True
+        return items
+
+    def task_started(self, report: TaskStarted) -> None:
+        with self._lock:
+            run = self._running.get(report.job_id)
+            if run is None or run.attempt != report.attempt:
+                return  # a stale report from an attempt that already ended
+            task = run.task_on(report.worker_id)
+            if task is None or task.ended:
+                return
+            task.started = True
+            marks = {
+                "acquired": report.acquired,
+                "prepared": report.prepared,
+                "started": report.started,
+            }
+            node = None
+            if len(run.tasks) > 1:
+                # The job's stages end when its last node's do.
+                for key, value in marks.items():
+                    marks[key] = run.marks[key] = max(run.marks.get(key, value), value)
+            if run.spec.distributed:
+                node = task.node
+            with self.store.transaction() as tx:
+                tx.start(
+                    report.job_id,
+                    marks=marks,
+                    pid=report.pid,
+                    pid_created=report.pid_created,
+                    node=node,
+                    procs=report.procs,
+                )
+
+    def task_rendezvous(self, job_id: str, attempt: int, worker_id: str, port: int) -> None:
+        """Node 0 of a distributed job reserved ``port``: tell the other nodes."""
+        with self._lock:
+            run = self._running.get(job_id)
+            if run is None or run.attempt != attempt or run.worker_id != worker_id:
+                return
+            run.master_port = port
+            for task in run.tasks[1:]:
+                worker = self._workers.get(task.worker_id)
+                if worker is not None and not task.ended:
+                    worker.inbox.append(
+                        Rendezvous(job_id=job_id, attempt=attempt, master_port=port)
+                    )
+                    worker.wake.fire()
+
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
+        if not lines:
+            return
+        with self._lock:
+            run = self._running.get(job_id)
+            gang = run is not None and len(run.tasks) > 1
+        if gang or node:
+            self._append_node_logs(job_id, attempt, lines, node)
+            return
+        if run is None:
+            job = self.store.get_job(job_id)
+            if job is not None and job.spec.nodes > 1:
+                return  # see _append_node_logs
+        self.store.append_logs(job_id, attempt, lines)
+        with self._lock:
+            signal = self._logs.get(job_id)
+            if signal is not None:
+                signal.fire()
+
+    def _append_node_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int) -> None:
+        """Lines from one node of a job of several: numbered here, in the order
+        they arrive, so that a reader's cursor never skips a slower node's.
+        A batch sent again (its reply was lost) is recognised by the node's
+        own numbering and not stored twice."""
+        with self._lock:
+            run = self._running.get(job_id)
+            if run is None or run.attempt != attempt:
+                # The attempt is over: its nodes were ended and reported, or
+                # declared lost; what a lost node says now is not kept.
+                log.debug(
+                    "dropping %d log lines of ended attempt %s/%d", len(lines), job_id, attempt
+                )
+                return
+            seen = run.log_seen.get(node, 0)
+            fresh = [line for line in lines if line.seq > seen]
+            if not fresh:
+                return
+            run.log_seen[node] = fresh[-1].seq
+            base = run.log_seq
+            numbered = [
+                LogLine(base + i, line.ts, line.stream, line.text, line.rank)
+                for i, line in enumerate(fresh, 1)
+            ]
+            run.log_seq = base + len(numbered)
+            self.store.append_logs(job_id, attempt, numbered)
+            signal = self._logs.get(job_id)
+            if signal is not None:
+                signal.fire()
+
+    def task_finished(self, result: TaskResult, *, yield_to_waiters: bool = True) -> None:
+        now = self._clock()
+        with self._lock:
+            run = self._running.get(result.job_id)
+            if run is None or run.attempt != result.attempt:
+                return  # already ended (e.g. declared lost); never apply twice
+            if len(run.tasks) == 1:
+                if run.worker_id != result.worker_id:
+                    return
+                final = self._conclude(result.job_id, run, result, now)
+            else:
+                task = run.task_on(result.worker_id)
+                if task is None or task.ended:
+                    return
+                final = self._task_ended(result.job_id, run, task, result, now)
+        if final and yield_to_waiters:
+            # Hand the interpreter to the woken client now rather than after
+            # this worker's own tidying up: the client is the one waiting.
+            os.sched_yield()

@@ -1,0 +1,288 @@
+"""What clients do: submit, look, wait, follow logs, cancel.
+
+:class:`ControlPlane` is the whole control plane: these operations, the
+workers' (:class:`~.fleet.Fleet`) and recovery (:class:`~.recovery.Recovery`)
+over one shared state (:class:`~.core.PlaneCore`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from .. import defaults, jobs
+from ..artifacts import ArtifactStore
+from ..errors import GPUlayerError, InvalidStateError, JobNotFoundError
+from ..ids import check_id, new_id
+from ..jobs import JobInfo, LogChunk, WorkerInfo
+from ..scheduler import Capacity, Request, explain
+from ..signals import Signal, Unsubscribe, wait_on
+from ..spec import JobSpec, parse_spec
+from .fleet import Fleet
+from .recovery import Recovery
+from .state import Done, Pending, Snapshot, task_infos
+
+
+class ControlPlane(Fleet, Recovery):
+    # ---- clients -------------------------------------------------------
+
+    def submit(self, spec: JobSpec, job_id: str | None = None) -> JobInfo:
+        """Store and place a job. ``job_id`` (made by the client) makes a retried
+        submit idempotent: the same id and spec return the job already stored."""
+        spec = parse_spec(spec)
+        if job_id is not None:
+            check_id("id", job_id)
+            existing = self.store.get_job(job_id)
+            if existing is not None:
+                if existing.spec != spec:
+                    raise InvalidStateError(f"job {job_id} already exists with a different spec")
+                return existing
+        now = self._clock()
+        with self._lock:
+            seq = self._seq + 1
+            job = JobInfo(
+                id=job_id or new_id(),
+                spec=spec,
+                seq=seq,
+                owner=self.instance_id,
+                marks={"submitted": now},
+            )
+            request = Request(job.id, spec.priority, seq, spec.gpus, spec.nodes)
+            self._enqueue(Pending(request, spec, 0, now))
+            try:
+                assignments = self._plan()
+                mine = [a for a in assignments if a.job_id == job.id]
+                if mine:  # placed at once: stored placed, in one statement
+                    first = mine[0]
+                    job.state, job.worker, job.attempt = jobs.RUNNING, first.worker_id, 1
+                    job.slots, job.gpus = list(first.slots), list(first.gpus)
+                    job.marks["placed"] = now
+                    if spec.distributed:
+                        job.tasks = task_infos(mine)
+                with self.store.transaction() as tx:
+                    tx.insert_job(job)
+                    others = [a for a in assignments if a.job_id != job.id]
+                    self._record(tx, others, now)
+                    assignments = [a for a in assignments if a.job_id == job.id] + others
+            except BaseException:
+                self._dequeue(job.id)
+                raise
+            self._seq = seq
+            self._dispatch(assignments, now)
+        return job
+
+    def resolve(self, job_id: str) -> str:
+        """A full id from an id or a unique prefix of one."""
+        with self._lock:
+            if job_id in self._queue or job_id in self._running:
+                return job_id
+        found = self.store.find_job(job_id)
+        if job_id in found:
+            return job_id
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise JobNotFoundError(f"no job with id {job_id!r}")
+        raise JobNotFoundError(f"{job_id!r} matches several jobs; give more of the id")
+
+    def get(self, job_id: str) -> JobInfo:
+        job = self.store.get_job(job_id) or self.store.get_job(self.resolve(job_id))
+        assert job is not None
+        if job.state == jobs.QUEUED and job.reason is None:
+            job.reason = self._why_waiting(job)
+        return job
+
+    def _why_waiting(self, job: JobInfo) -> str:
+        with self._lock:
+            pending = self._queue.get(job.id)
+            if pending is not None:
+                return explain(pending.request, [w.capacity() for w in self._open_workers()])
+        # Queued by another process on this home: judge by the workers on record.
+        spec = job.spec
+        caps = [
+            Capacity(w.id, tuple(w.slot_gpus), frozenset(range(len(w.slot_gpus))))
+            for w in self.store.list_workers()
+        ]
+        return explain(Request(job.id, spec.priority, job.seq, spec.gpus, spec.nodes), caps)
+
+    def list_jobs(self, *, states: Iterable[str] = (), limit: int | None = None) -> list[JobInfo]:
+        return self.store.list_jobs(states=states, limit=limit)
+
+    def wait(self, job_id: str, timeout: float | None = None) -> JobInfo:
+        """Block until the job is final (or ``timeout``), then return it."""
+        job_id = self.resolve(job_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            final, done = self.watch_job(job_id)
+            if final is not None:
+                return final
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return self.get(job_id)
+            with self._lock:
+                if done is None:  # run by another process on this home: it cannot signal us
+                    signal = self._logs.setdefault(job_id, Signal())
+                    wait_on(self._lock, signal, min(defaults.FOLLOW_RECHECK_S, left or 1e9))
+                elif done.job is None:
+                    wait_on(self._lock, done.signal, left)
+                if done is not None and done.job is not None:
+                    return done.job
+
+    def watch_job(self, job_id: str) -> tuple[JobInfo | None, Done | None]:
+        """The job if it is final; else what fires when it becomes final.
+
+        ``(None, None)`` means another process on this home runs it: nothing
+        here will fire, and the caller must look again later.
+        """
+        with self._lock:
+            if job_id in self._queue or job_id in self._running:
+                return None, self._done.setdefault(job_id, Done())
+        job = self.store.get_job(job_id)
+        if job is None:
+            raise JobNotFoundError(f"no job with id {job_id!r}")
+        return (job, None) if job.done else (None, None)
+
+    def cancel(self, job_id: str) -> JobInfo:
+        job_id = self.resolve(job_id)
+        now = self._clock()
+        with self._lock:
+            if job_id in self._queue:
+                self._dequeue(job_id)
+                with self.store.transaction() as tx:
+                    tx.request_cancel(job_id)
+                    tx.finish(
+                        job_id,
+                        state=jobs.CANCELLED,
+                        exit_code=None,
+                        reason="cancelled while queued",
+                        marks={"finished": now},
+                        outputs={},
+                    )
+                    # It may have held a worker for itself: others may fit now.
+                    assignments = self._plan()
+                    self._record(tx, assignments, now)
+                self._dispatch(assignments, now)
+                self._signal_done(job_id)
+            elif job_id in self._running:
+                run = self._running[job_id]
+                run.cancel_requested = True
+                with self.store.transaction() as tx:
+                    tx.request_cancel(job_id)
+                self._cancel_tasks(job_id, run)
+            else:
+                job = self.store.get_job(job_id)
+                assert job is not None
+                if job.done:
+                    raise InvalidStateError(
+                        f"job {job_id} is already {job.state}; there is nothing to cancel"
+                    )
+                # Owned by another live process on this home. Queued there: end
+                # it in the store (its owner's placement checks the state).
+                # Running there: flag it and end the process tree ourselves;
+                # its owner records the outcome.
+                with self.store.transaction() as tx:
+                    queued = tx.cancel_queued(job_id, now)
+                    if not queued:
+                        tx.request_cancel(job_id)
+                # Committed first: the owner reads the flag when the job ends.
+                if not queued and self._kill_orphan is not None:
+                    for pid, created in job.processes():
+                        self._kill_orphan(pid, created)
+        return self.get(job_id)
+
+    def read_logs(
+        self, job_id: str, after: tuple[int, int] = (0, 0), timeout: float = 0.0
+    ) -> LogChunk:
+        """Lines after ``after``; with ``timeout``, wait that long for some."""
+        deadline = time.monotonic() + timeout
+        while True:
+            # Subscribe before looking, so a line appended in between still wakes us.
+            grown = threading.Event()
+            unsubscribe = self.watch_logs(job_id, grown.set)
+            try:
+                chunk = self.logs_after(job_id, after)
+                left = deadline - time.monotonic()
+                if chunk.lines or chunk.done or left <= 0:
+                    return chunk
+                with self._lock:
+                    ours = job_id in self._queue or job_id in self._running
+                grown.wait(left if ours else min(left, defaults.FOLLOW_RECHECK_S))
+            finally:
+                self.unsubscribe(unsubscribe)
+
+    def logs_after(self, job_id: str, after: tuple[int, int]) -> LogChunk:
+        job = self.store.get_job(job_id)
+        if job is None:
+            raise JobNotFoundError(f"no job with id {job_id!r}")
+        rows = self.store.read_logs(job_id, after)
+        cursor = (rows[-1][0], rows[-1][1].seq) if rows else after
+        return LogChunk(
+            lines=[line for _, line in rows],
+            attempt=cursor[0],
+            cursor=cursor,
+            # The job was final before the read, so the read saw every line.
+            done=job.done and len(rows) < 10_000,
+        )
+
+    def subscribe_done(self, done: Done, callback: Callable[[], None]) -> Unsubscribe | None:
+        """Call ``callback`` once when the job behind ``done`` ends (None: it has)."""
+        with self._lock:
+            return None if done.job is not None else done.signal.subscribe(callback)
+
+    def unsubscribe(self, unsubscribe: Unsubscribe) -> None:
+        """Drop a subscription (under the lock that guards every signal)."""
+        with self._lock:
+            unsubscribe()
+
+    def may_fetch(self, worker_id: str, digest: str, artifacts: ArtifactStore) -> bool:
+        """Whether ``digest`` belongs to a task placed on ``worker_id``: its
+        bundle, an input, or a file inside either."""
+        from .. import bundle
+
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            if worker is None:
+                return False
+            specs = [self._running[j].spec for j in worker.running if j in self._running]
+        roots = []
+        for spec in specs:
+            if spec.bundle is not None:
+                roots.append(spec.bundle)
+            roots += [ref.digest for ref in spec.inputs.values()]
+            if digest in roots:
+                return True
+        for root in roots:
+            try:
+                manifest = bundle.load(artifacts, root)
+            except GPUlayerError:
+                continue  # a file input, not a manifest
+            if any(e.digest == digest for e in manifest.entries):
+                return True
+        return False
+
+    def watch_logs(self, job_id: str, callback: Callable[[], None]) -> Unsubscribe:
+        """Call ``callback`` once when the job's logs grow or it ends."""
+        with self._lock:
+            return self._logs.setdefault(job_id, Signal()).subscribe(callback)
+
+    def list_workers(self) -> list[WorkerInfo]:
+        with self._lock:
+            live = {w.info.id: w for w in self._workers.values()}
+        found = self.store.list_workers()
+        for info in found:
+            worker = live.get(info.id)
+            if worker is not None:  # what only memory holds: its tasks, its last word
+                info.running = sorted(worker.running)
+                info.last_seen = worker.last_seen
+        return found
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            connected = [w for w in self._workers.values() if w.connected and not w.closed]
+            return Snapshot(
+                queued=len(self._queue),
+                workers=len(self._workers),
+                connected_workers=len(connected),
+                free_slots=sum(len(w.free) for w in connected),
+            )

@@ -1,0 +1,136 @@
+"""Taking over from a control plane that died.
+
+Embedded, the processes of its running jobs outlived it: they are ended and
+the jobs retried or ended ``lost``. A server's workers outlive it: on restart
+their jobs stay running, and the workers have the heartbeat timeout to
+register again and say what they still run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .. import jobs
+from ..jobs import JobInfo, TaskInfo, WorkerInfo
+from ..scheduler import Request
+from .core import PlaneCore
+from .state import LiveWorker, NodeTask, Pending, Running
+
+
+class Recovery(PlaneCore):
+    # ---- recovery ------------------------------------------------------
+
+    def recover(self, dead_instance: str, *, workers_outlive: bool = False) -> list[str]:
+        """Take over the jobs of a control plane that died; returns their ids.
+
+        Its queued jobs queue here. Its running jobs depend on where they ran:
+        on workers inside the dead process (embedded), they died with it, so
+        their process trees are ended and they are retried within budget or
+        end ``lost``. On remote workers (a server restart, ``workers_outlive``)
+        they may still be running: they stay running here, and their workers
+        have the heartbeat timeout to come back and say so.
+        """
+        now = self._clock()
+        touched: list[str] = []
+        with self._lock:
+            running = self.store.list_jobs(states=[jobs.RUNNING], owner=dead_instance)
+            if workers_outlive:
+                self._adopt_workers(dead_instance, running, now)
+            elif self._kill_orphan is not None:
+                for job in running:
+                    for pid, created in job.processes():
+                        self._kill_orphan(pid, created)
+            with self.store.transaction() as tx:
+                for job in running:
+                    touched.append(job.id)
+                    if workers_outlive:
+                        continue
+                    reason = f"the GPUlayer process running it died (instance {dead_instance})"
+                    if job.attempt <= job.spec.max_retries:
+                        tx.requeue(job.id, reason=f"retrying: {reason}", owner=self.instance_id)
+                    else:
+                        tx.finish(
+                            job.id,
+                            state=jobs.LOST,
+                            exit_code=None,
+                            reason=reason,
+                            marks={"finished": now},
+                            outputs={},
+                        )
+                touched += tx.adopt(dead_instance, self.instance_id, workers=workers_outlive)
+            for job in self.store.list_jobs(states=[jobs.QUEUED], owner=self.instance_id):
+                if job.id not in self._queue:
+                    request = Request(
+                        job.id, job.spec.priority, job.seq, job.spec.gpus, job.spec.nodes
+                    )
+                    self._enqueue(
+                        Pending(request, job.spec, job.attempt, job.marks.get("submitted", now))
+                    )
+            assignments = self._plan()
+            with self.store.transaction() as tx:
+                self._record(tx, assignments, now)
+            self._dispatch(assignments, now)
+        return touched
+
+    def _adopt_workers(self, dead_instance: str, running: list[JobInfo], now: float) -> None:
+        """Known-but-disconnected workers holding the slots of the jobs they run."""
+        known = {w.id: w for w in self.store.list_workers() if w.instance == dead_instance}
+        for job in running:
+            if job.worker is None:
+                continue
+            placed = job.tasks or [
+                TaskInfo(node=0, worker=job.worker, slots=job.slots, gpus=job.gpus, pid=job.pid)
+            ]
+            tasks = []
+            for placement in placed:
+                info = known.get(placement.worker)
+                if info is None:  # no record: enough slots to hold what it ran
+                    info = WorkerInfo(
+                        id=placement.worker,
+                        name=placement.worker,
+                        host="?",
+                        slot_gpus=[None] * (max(placement.slots, default=0) + 1),
+                    )
+                    known[placement.worker] = info
+                worker = self._workers.get(info.id)
+                if worker is None:
+                    info.instance = self.instance_id
+                    worker = LiveWorker(
+                        info=info,
+                        free=set(range(len(info.slot_gpus))),
+                        inbox=deque(),
+                        connected=False,
+                        last_seen=now,
+                    )
+                    self._workers[info.id] = worker
+                worker.free.difference_update(placement.slots)
+                worker.running.add(job.id)
+                tasks.append(
+                    NodeTask(
+                        placement.node,
+                        info.id,
+                        tuple(placement.slots),
+                        tuple(placement.gpus),
+                        started=placement.pid is not None or "started" in job.marks,
+                    )
+                )
+            run = Running(
+                job.attempt,
+                job.spec,
+                job.seq,
+                tasks,
+                {k: v for k, v in job.marks.items() if k in ("submitted", "placed")},
+            )
+            if len(tasks) > 1:  # go on numbering its log lines after those stored
+                run.log_seq = self.store.last_log_seq(job.id, job.attempt)
+            self._running[job.id] = run
+        for info in known.values():
+            if info.id not in self._workers:
+                info.instance = self.instance_id
+                self._workers[info.id] = LiveWorker(
+                    info=info,
+                    free=set(range(len(info.slot_gpus))),
+                    inbox=deque(),
+                    connected=False,
+                    last_seen=now,
+                )

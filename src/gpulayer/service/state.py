@@ -1,0 +1,155 @@
+"""The control plane's in-memory records, and the pure rules over them.
+
+The store is the durable record of every job; these are what the running
+control plane keeps beside it to place and follow jobs without a query:
+the queue, each running job's tasks (one per node), the live workers and
+their free slots, and the waiters on each job.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..jobs import Instruction, JobInfo, TaskInfo, TaskResult, WorkerInfo
+from ..scheduler import Assignment, Capacity, Request
+from ..signals import Signal
+from ..spec import JobSpec
+
+
+@dataclass
+class Pending:
+    request: Request
+    spec: JobSpec
+    attempt: int  # attempts made so far
+    submitted: float
+
+
+@dataclass
+class NodeTask:
+    """One node's share of a running job (a job of one node has one)."""
+
+    node: int
+    worker_id: str
+    slots: tuple[int, ...]
+    gpus: tuple[int, ...]
+    delivered: bool = False  # its worker took the instruction
+    started: bool = False  # its worker reported the process started
+    ended: bool = False  # its worker reported its end (or was lost)
+
+
+@dataclass
+class Running:
+    attempt: int
+    spec: JobSpec
+    seq: int
+    tasks: list[NodeTask]
+    marks: dict[str, float]  # submitted, placed; for gangs the latest start marks
+    cancel_requested: bool = False
+    # Jobs of several nodes end when every node has: meanwhile, the results
+    # so far (the earliest failure decides), the port node 0 reserved, and
+    # the numbering of log lines that arrive from several workers.
+    results: list[TaskResult] = field(default_factory=list)
+    master_port: int | None = None
+    log_seq: int = 0
+    log_seen: dict[int, int] = field(default_factory=dict)  # node -> its last line
+
+    @property
+    def worker_id(self) -> str:
+        return self.tasks[0].worker_id
+
+    @property
+    def started(self) -> bool:
+        """Whether it may have run: a worker took it (a short task's start is
+        reported only with its end) or said it started."""
+        return any(t.started or t.delivered for t in self.tasks)
+
+    def task_on(self, worker_id: str) -> NodeTask | None:
+        for task in self.tasks:
+            if task.worker_id == worker_id:
+                return task
+        return None
+
+
+class Done:
+    """What waiters on a job block on: fired when it is final, with its record."""
+
+    def __init__(self) -> None:
+        self.signal = Signal()
+        self.job: JobInfo | None = None
+
+
+@dataclass
+class LiveWorker:
+    info: WorkerInfo
+    free: set[int]
+    inbox: deque[Instruction]
+    wake: Signal = field(default_factory=Signal)
+    running: set[str] = field(default_factory=set)
+    closed: bool = False
+    # A worker known from before a restart is not connected until it
+    # registers again; it gets the heartbeat timeout to do so.
+    connected: bool = True
+    last_seen: float = 0.0
+
+    _capacity: Capacity | None = None  # cached until its free slots change
+
+    def capacity(self) -> Capacity:
+        if self._capacity is None or self._capacity.free != self.free:
+            self._capacity = Capacity(
+                self.info.id, tuple(self.info.slot_gpus), frozenset(self.free)
+            )
+        return self._capacity
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    queued: int
+    workers: int
+    connected_workers: int
+    free_slots: int
+
+
+def by_job(assignments: list[Assignment]) -> list[list[Assignment]]:
+    """Assignments grouped by job: a gang's tasks come together, node 0 first."""
+    groups: list[list[Assignment]] = []
+    for a in assignments:
+        if groups and groups[-1][0].job_id == a.job_id:
+            groups[-1].append(a)
+        else:
+            groups.append([a])
+    return groups
+
+
+def task_infos(placed: Sequence[Assignment | NodeTask]) -> list[TaskInfo]:
+    return [
+        TaskInfo(node=node, worker=item.worker_id, slots=list(item.slots), gpus=list(item.gpus))
+        for node, item in enumerate(placed)
+    ]
+
+
+def failures(run: Running) -> list[TaskResult]:
+    """Node results that can have ended the job: not its own success, and
+    not an end it was sent (a cancel)."""
+    return [
+        r
+        for r in run.results
+        if not (r.outcome == "exited" and r.exit_code == 0) and r.outcome != "cancelled"
+    ]
+
+
+def decisive(run: Running) -> TaskResult:
+    """The result a job of several nodes ends with.
+
+    The first failure is the cause: when one rank dies its peers usually fail
+    after it (a connection closed under them) or are ended by us. A node
+    whose worker vanished comes first, since its ranks' end is unknown.
+    """
+    failed = failures(run)
+    if failed:
+        return min(failed, key=lambda r: (r.outcome != "lost", r.marks.get("exited", float("inf"))))
+    cancelled = [r for r in run.results if r.outcome == "cancelled"]
+    if cancelled:
+        return cancelled[0]
+    return next(r for r in run.results if r.node == 0)
