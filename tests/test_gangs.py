@@ -158,3 +158,23 @@ def test_success_takes_node_0s_outputs(plane: ControlPlane) -> None:
     plane.task_finished(result(job_id, w0, 0, outcome="exited", exit_code=0, outputs=outputs))
     final = plane.get(job_id)
     assert final.state == "succeeded" and final.outputs == outputs
+
+
+def test_a_restarted_server_hands_node_0s_port_to_a_node_that_comes_back(
+    plane: ControlPlane, tmp_path: Path
+) -> None:
+    job_id, _, _, w0, w1 = gang(plane)
+    plane.task_rendezvous(job_id, 1, w0, 40123)
+    # The server restarts before node 1's worker took the Rendezvous: a new
+    # control plane on the same store takes over, and the workers return.
+    successor = ControlPlane(plane.store, instance_id="successor")
+    successor.recover("test", workers_outlive=True)
+    for wid, name in ((w0, "a"), (w1, "b")):
+        successor.register_worker(
+            WorkerInfo(id=wid, name=name, host=name, slot_gpus=[None]), [(job_id, 1)]
+        )
+    assert successor.take_instructions(w1) == [
+        Rendezvous(job_id=job_id, attempt=1, master_port=40123)
+    ]
+    assert successor.take_instructions(w0) == []
+    assert successor.get(job_id).state == "running"

@@ -43,6 +43,7 @@ class TaskInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     pid: int | None = None
     pid_created: float | None = None
     procs: list[tuple[int, float | None]] = []  # every rank's (pid, start time)
+    port: int | None = None  # node 0's: the master port it reserved
 
 
 class JobInfo(msgspec.Struct, kw_only=True):

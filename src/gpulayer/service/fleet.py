@@ -79,12 +79,15 @@ class Fleet(PlaneCore):
             worker.last_seen = now
             for job_id, attempt in reported:
                 held_run = self._running.get(job_id)
-                if (
-                    held_run is None
-                    or held_run.attempt != attempt
-                    or held_run.task_on(info.id) is None
-                ):
+                its = held_run.task_on(info.id) if held_run is not None else None
+                if held_run is None or held_run.attempt != attempt or its is None:
                     worker.inbox.append(CancelTask(job_id=job_id, attempt=attempt))
+                elif its.node > 0 and held_run.master_port is not None:
+                    # It may have missed the port (the server restarted in
+                    # between); hearing it twice changes nothing.
+                    worker.inbox.append(
+                        Rendezvous(job_id=job_id, attempt=attempt, master_port=held_run.master_port)
+                    )
             with self.store.transaction() as tx:
                 for job_id, run in lost.items():
                     if run.started:
@@ -236,6 +239,8 @@ class Fleet(PlaneCore):
             if run is None or run.attempt != attempt or run.worker_id != worker_id:
                 return
             run.master_port = port
+            with self.store.transaction() as tx:  # a restarted server hands it on too
+                tx.set_master_port(job_id, port)
             for task in run.tasks[1:]:
                 worker = self._workers.get(task.worker_id)
                 if worker is not None and not task.ended:

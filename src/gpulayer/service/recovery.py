@@ -123,6 +123,7 @@ class Recovery(PlaneCore):
             )
             if len(tasks) > 1:  # go on numbering its log lines after those stored
                 run.log_seq = self.store.last_log_seq(job.id, job.attempt)
+                run.master_port = job.tasks[0].port
             self._running[job.id] = run
         for info in known.values():
             if info.id not in self._workers:

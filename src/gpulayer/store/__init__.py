@@ -66,6 +66,10 @@ class Transaction(abc.ABC):
     ) -> None: ...
 
     @abc.abstractmethod
+    def set_master_port(self, job_id: str, port: int) -> None:
+        """The master port node 0 of a distributed job reserved (kept with node 0's task)."""
+
+    @abc.abstractmethod
     def requeue(self, job_id: str, *, reason: str | None, owner: str) -> None: ...
 
     @abc.abstractmethod

@@ -189,6 +189,12 @@ class _SqliteTransaction(Transaction):
                 [(job_id, path, ref.kind, ref.digest, ref.size) for path, ref in outputs.items()],
             )
 
+    def set_master_port(self, job_id: str, port: int) -> None:
+        self.db.execute(
+            "UPDATE jobs SET tasks=json_set(tasks, '$[0].port', ?) WHERE id=? AND tasks IS NOT NULL",
+            (port, job_id),
+        )
+
     def requeue(self, job_id: str, *, reason: str | None, owner: str) -> None:
         # Marks after 'submitted' describe the attempt that ended; start afresh.
         self.db.execute(
