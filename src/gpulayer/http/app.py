@@ -280,7 +280,8 @@ class Api:
         final, done = self.plane.watch_job(job_id)
         if final is None and done is not None:
             await until_signal(self.plane, lambda cb: self.plane.subscribe_done(done, cb), timeout)
-        return _json(self.plane.get(job_id))
+            final = done.job  # the record the job ended with, when it did: no store read
+        return _json(final or self.plane.get(job_id))
 
     async def cancel_job(self, request: Request) -> Response:
         return _json(self.plane.cancel(request.path_params["job_id"]))
