@@ -178,3 +178,64 @@ def test_a_restarted_server_hands_node_0s_port_to_a_node_that_comes_back(
     ]
     assert successor.take_instructions(w0) == []
     assert successor.get(job_id).state == "running"
+
+
+def test_a_long_poll_of_a_replaced_worker_process_takes_nothing(plane: ControlPlane) -> None:
+    """A killed worker's request may still be open on the server when its
+    successor registers under the same id: what is placed then is the new one's."""
+    wid = worker(plane, "a")
+    woken: list[bool] = []
+    items, _, generation = plane.watch_worker(wid, lambda: woken.append(True))
+    assert items == []
+    plane.register_worker(WorkerInfo(id=wid, name="a", host="a", slot_gpus=[None]), [])
+    assert woken == [True]  # the old poll is ended...
+    job = plane.submit(parse_spec({"command": ["x"]}))
+    assert plane.take_instructions(wid, generation) == []  # ...empty-handed
+    (task,) = plane.take_instructions(wid)
+    assert isinstance(task, RunTask) and task.job_id == job.id
+
+
+def test_a_restarted_server_remembers_which_nodes_already_ended(
+    plane: ControlPlane,
+) -> None:
+    job_id, _, _, w0, w1 = gang(plane)
+    plane.task_finished(result(job_id, w1, 1, outcome="exited", exit_code=0))
+    successor = ControlPlane(plane.store, instance_id="successor")
+    successor.recover("test", workers_outlive=True)
+    successor.register_worker(
+        WorkerInfo(id=w0, name="a", host="a", slot_gpus=[None]), [(job_id, 1)]
+    )
+    successor.register_worker(WorkerInfo(id=w1, name="b", host="b", slot_gpus=[None]), [])
+    assert successor.get(job_id).state == "running"
+    assert successor.take_instructions(w0) == []  # node 0 runs on, nothing cancels it
+    successor.task_finished(result(job_id, w0, 0, outcome="exited", exit_code=0))
+    assert successor.get(job_id).state == "succeeded"
+
+
+def test_a_lost_node_that_comes_back_still_running_is_told_to_stop(plane: ControlPlane) -> None:
+    job_id, _, _, _, w1 = gang(plane)
+    plane.unregister_worker(w1, reason="silent")
+    plane.register_worker(WorkerInfo(id=w1, name="b", host="b", slot_gpus=[None]), [(job_id, 1)])
+    assert plane.take_instructions(w1) == [CancelTask(job_id=job_id, attempt=1)]
+
+
+def test_a_worker_back_with_fewer_slots_does_not_break_placement(plane: ControlPlane) -> None:
+    a = plane.register_worker(WorkerInfo(id="", name="a", host="a", slot_gpus=[None, None])).id
+    plane.submit(parse_spec({"command": ["x"]}))  # a's slot 0
+    b = worker(plane, "b")
+    job = plane.submit(parse_spec({"command": ["x"], "nodes": 2}))
+    assert [(t.worker, t.slots) for t in plane.get(job.id).tasks] == [(a, [1]), (b, [0])]
+    # a returns with one slot and without its tasks.
+    plane.register_worker(WorkerInfo(id=a, name="a", host="a", slot_gpus=[None]), [])
+    later = plane.submit(parse_spec({"command": ["x"]}))
+    assert plane.get(later.id).state in ("queued", "running")
+    assert all(s < 1 for w in [plane._workers[a]] for s in w.free)
+
+
+def test_a_job_being_cancelled_whose_worker_is_lost_ends_cancelled(plane: ControlPlane) -> None:
+    wid = worker(plane, "a")
+    job = plane.submit(parse_spec({"command": ["x"], "max_retries": 3}))
+    plane.cancel(job.id)
+    plane.unregister_worker(wid, reason="its worker a stopped")
+    final = plane.get(job.id)
+    assert final.state == "cancelled", final.reason

@@ -44,6 +44,7 @@ class TaskInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     pid_created: float | None = None
     procs: list[tuple[int, float | None]] = []  # every rank's (pid, start time)
     port: int | None = None  # node 0's: the master port it reserved
+    result: TaskResult | None = None  # how it ended, once it has (the job may run on)
 
 
 class JobInfo(msgspec.Struct, kw_only=True):

@@ -364,14 +364,17 @@ class Api:
         worker_id = request.path_params["worker_id"]
         timeout = _query_float(request, "timeout", 30.0)
         ready: list[Instruction] = []
+        generation = [0]
 
         def subscribe(callback: Callable[[], None]) -> Unsubscribe | None:
-            items, unsubscribe = self.plane.watch_worker(worker_id, callback)
+            items, unsubscribe, generation[0] = self.plane.watch_worker(worker_id, callback)
             ready.extend(items)
             return unsubscribe
 
         if await until_signal(self.plane, subscribe, timeout) and not ready:
-            ready = self.plane.take_instructions(worker_id)
+            # A poll left open by a worker process that has since been
+            # replaced (same id) gets nothing: its reply may go nowhere.
+            ready = self.plane.take_instructions(worker_id, generation[0])
         self.metrics.observe_dispatch(ready, time.time())
         return _json(ready)
 

@@ -143,12 +143,13 @@ class PlaneCore:
             self._cancel_tasks(job_id, run)
         if all(t.ended for t in run.tasks):
             return self._conclude(job_id, run, decisive(run), now)
-        # Its slots are free: something else may fit now.
+        # Kept, so that a restarted server knows this node is done and how;
+        # and its slots are free: something else may fit now.
         assignments = self._plan()
-        if assignments:
-            with self.store.transaction() as tx:
-                self._record(tx, assignments, now)
-            self._dispatch(assignments, now)
+        with self.store.transaction() as tx:
+            tx.task_ended(job_id, task.node, result)
+            self._record(tx, assignments, now)
+        self._dispatch(assignments, now)
         return False
 
     def _node_lost(self, job_id: str, worker_id: str, reason: str, now: float) -> None:
@@ -269,7 +270,9 @@ class PlaneCore:
     def _release_task(self, job_id: str, task: NodeTask) -> None:
         worker = self._workers.get(task.worker_id)
         if worker is not None:
-            worker.free.update(task.slots)
+            # Only slots it still has: it may have come back with fewer.
+            count = len(worker.info.slot_gpus)
+            worker.free.update(s for s in task.slots if s < count)
             worker.running.discard(job_id)
 
     def _requeue(self, job_id: str, run: Running) -> None:
@@ -280,6 +283,17 @@ class PlaneCore:
     def _end_lost(
         self, tx: Transaction, run: Running, job_id: str, reason: str, now: float
     ) -> None:
+        if run.cancel_requested:  # it was being cancelled: that is how it ends
+            tx.finish(
+                job_id,
+                state=jobs.CANCELLED,
+                exit_code=None,
+                reason=f"cancelled ({reason} before it confirmed)",
+                marks={"finished": now},
+                outputs={},
+            )
+            self._signal_done(job_id)
+            return
         if run.attempt <= run.spec.max_retries:
             self._requeue(job_id, run)
             tx.requeue(job_id, reason=f"retrying: {reason}", owner=self.instance_id)

@@ -25,9 +25,9 @@ from ..jobs import (
     TaskStarted,
     WorkerInfo,
 )
-from ..signals import Unsubscribe, wait_on
+from ..signals import Signal, Unsubscribe, wait_on
 from .core import PlaneCore, log
-from .state import LiveWorker, Running
+from .state import LiveWorker, Running, failures
 
 
 class Fleet(PlaneCore):
@@ -57,6 +57,13 @@ class Fleet(PlaneCore):
                 self._workers[info.id] = worker
             else:
                 worker.info, worker.connected, worker.closed = info, True, False
+                # Its previous process's long poll may still be open: end it
+                # empty-handed, and start afresh. Instructions not yet taken
+                # were for that process; what still holds is re-sent below.
+                worker.generation += 1
+                stale, worker.wake = worker.wake, Signal()
+                stale.fire()
+                worker.inbox.clear()
                 for job_id in list(worker.running):
                     run = self._running[job_id]
                     if (job_id, run.attempt) in reported:
@@ -80,7 +87,12 @@ class Fleet(PlaneCore):
             for job_id, attempt in reported:
                 held_run = self._running.get(job_id)
                 its = held_run.task_on(info.id) if held_run is not None else None
-                if held_run is None or held_run.attempt != attempt or its is None:
+                if held_run is None or held_run.attempt != attempt or its is None or its.ended:
+                    # Given up on (declared lost meanwhile, or its job moved on).
+                    worker.inbox.append(CancelTask(job_id=job_id, attempt=attempt))
+                elif held_run.cancel_requested or failures(held_run):
+                    # Being ended (a cancel, or another node failed): it may
+                    # have missed that while the server was down.
                     worker.inbox.append(CancelTask(job_id=job_id, attempt=attempt))
                 elif its.node > 0 and held_run.master_port is not None:
                     # It may have missed the port (the server restarted in
@@ -160,24 +172,33 @@ class Fleet(PlaneCore):
         with self._lock:
             worker = self._live(worker_id)
             worker.last_seen = self._clock()
+            generation = worker.generation
             if not worker.inbox and not worker.closed:
                 wait_on(self._lock, worker.wake, timeout)
+            if worker.generation != generation:
+                return []  # it registered again meanwhile: this poll is stale
             return self._drain(worker)
 
     def watch_worker(
         self, worker_id: str, callback: Callable[[], None]
-    ) -> tuple[list[Instruction], Unsubscribe | None]:
-        """Instructions waiting for the worker, or a subscription for the next ones."""
+    ) -> tuple[list[Instruction], Unsubscribe | None, int]:
+        """Instructions waiting for the worker, or a subscription for the next
+        ones; and the worker's generation, for :meth:`take_instructions`."""
         with self._lock:
             worker = self._live(worker_id)
             worker.last_seen = self._clock()
             if worker.inbox or worker.closed:
-                return self._drain(worker), None
-            return [], worker.wake.subscribe(callback)
+                return self._drain(worker), None, worker.generation
+            return [], worker.wake.subscribe(callback), worker.generation
 
-    def take_instructions(self, worker_id: str) -> list[Instruction]:
+    def take_instructions(self, worker_id: str, generation: int | None = None) -> list[Instruction]:
+        """What waits for the worker; nothing for a long poll of an earlier
+        ``generation`` (the worker has registered again since)."""
         with self._lock:
-            return self._drain(self._live(worker_id))
+            worker = self._live(worker_id)
+            if generation is not None and generation != worker.generation:
+                return []
+            return self._drain(worker)
 
     def _live(self, worker_id: str) -> LiveWorker:
         worker = self._workers.get(worker_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from .. import jobs
-from ..jobs import JobInfo, TaskInfo, WorkerInfo
+from ..jobs import JobInfo, TaskInfo, TaskResult, WorkerInfo
 from ..scheduler import Request
 from .core import PlaneCore
 from .state import LiveWorker, NodeTask, Pending, Running
@@ -82,7 +82,21 @@ class Recovery(PlaneCore):
                 TaskInfo(node=0, worker=job.worker, slots=job.slots, gpus=job.gpus, pid=job.pid)
             ]
             tasks = []
+            ended: list[TaskResult] = []
             for placement in placed:
+                if placement.result is not None:  # this node ended before the restart
+                    tasks.append(
+                        NodeTask(
+                            placement.node,
+                            placement.worker,
+                            tuple(placement.slots),
+                            tuple(placement.gpus),
+                            started=True,
+                            ended=True,
+                        )
+                    )
+                    ended.append(placement.result)
+                    continue
                 info = known.get(placement.worker)
                 if info is None:  # no record: enough slots to hold what it ran
                     info = WorkerInfo(
@@ -120,6 +134,8 @@ class Recovery(PlaneCore):
                 job.seq,
                 tasks,
                 {k: v for k, v in job.marks.items() if k in ("submitted", "placed")},
+                results=ended,
+                cancel_requested=job.cancel_requested,
             )
             if len(tasks) > 1:  # go on numbering its log lines after those stored
                 run.log_seq = self.store.last_log_seq(job.id, job.attempt)

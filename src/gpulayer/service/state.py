@@ -92,6 +92,10 @@ class LiveWorker:
     # registers again; it gets the heartbeat timeout to do so.
     connected: bool = True
     last_seen: float = 0.0
+    # Each registration starts a generation: a long poll left open by the
+    # worker's previous process (killed, its request still held here) must
+    # not take what is meant for the new one.
+    generation: int = 0
 
     _capacity: Capacity | None = None  # cached until its free slots change
 

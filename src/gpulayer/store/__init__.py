@@ -12,7 +12,7 @@ import abc
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 
-from ..jobs import JobInfo, LogLine, TaskInfo, WorkerInfo
+from ..jobs import JobInfo, LogLine, TaskInfo, TaskResult, WorkerInfo
 from ..spec import ArtifactRef
 
 
@@ -64,6 +64,10 @@ class Transaction(abc.ABC):
         marks: dict[str, float],
         outputs: dict[str, ArtifactRef],
     ) -> None: ...
+
+    @abc.abstractmethod
+    def task_ended(self, job_id: str, node: int, result: TaskResult) -> None:
+        """One node of a distributed job ended while others run on."""
 
     @abc.abstractmethod
     def set_master_port(self, job_id: str, port: int) -> None:

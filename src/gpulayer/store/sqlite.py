@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from ..errors import StoreError
-from ..jobs import JobInfo, LogLine, TaskInfo, WorkerInfo
+from ..jobs import JobInfo, LogLine, TaskInfo, TaskResult, WorkerInfo
 from ..spec import ArtifactRef, JobSpec
 from . import Store, Transaction
 from .migrations import LATEST, MIGRATIONS
@@ -188,6 +188,13 @@ class _SqliteTransaction(Transaction):
                 "INSERT OR REPLACE INTO outputs (job_id, path, kind, digest, size) VALUES (?,?,?,?,?)",
                 [(job_id, path, ref.kind, ref.digest, ref.size) for path, ref in outputs.items()],
             )
+
+    def task_ended(self, job_id: str, node: int, result: TaskResult) -> None:
+        self.db.execute(
+            f"UPDATE jobs SET tasks=json_set(tasks, '$[{int(node)}].result', json(?)) "
+            "WHERE id=? AND tasks IS NOT NULL",
+            (_encode(result).decode(), job_id),
+        )
 
     def set_master_port(self, job_id: str, port: int) -> None:
         self.db.execute(
