@@ -128,12 +128,28 @@ def test_a_rank_whose_peer_died_still_exits_cleanly(tmp_path: Path, dead: int) -
     # The exit barrier must not wait for a rank that is gone (rank 0 also
     # hosts the store): the dead rank's closed sockets fail it at once.
     results = run_ranks(
-        [str(HERE / "ddp_exit_worker.py"), str(dead)], world=2, cwd=tmp_path, check=False
+        [str(HERE / "ddp_exit_worker.py"), str(dead), "die"], world=2, cwd=tmp_path, check=False
     )
     assert results[dead].returncode == 3
     alive = results[1 - dead]
     assert alive.returncode == 0, alive.stderr[-3000:]
     assert "ranks did not meet at exit" in alive.stderr
+
+
+@pytest.mark.parametrize("quitter", [0, 1])
+def test_a_rank_that_quits_mid_work_does_not_hold_its_peers(tmp_path: Path, quitter: int) -> None:
+    # No fit() returned: no exit barrier, so the rank that quit is gone at
+    # once and its peer's collective fails instead of waiting for it (with a
+    # barrier at exit both would wait out the process group's 30 minutes).
+    results = run_ranks(
+        [str(HERE / "ddp_exit_worker.py"), str(quitter), "quit"],
+        world=2,
+        cwd=tmp_path,
+        check=False,
+        timeout=60,
+    )
+    assert results[quitter].returncode == 1, results[quitter].stderr[-3000:]
+    assert results[1 - quitter].returncode != 0
 
 
 @pytest.fixture
@@ -142,9 +158,8 @@ def teardown_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
-    monkeypatch.setattr(
-        dist, "monitored_barrier", lambda timeout: calls.append(f"barrier {timeout}")
-    )
+    monkeypatch.setattr(distributed, "_meet", lambda timeout: calls.append(f"barrier {timeout}"))
+    monkeypatch.setattr(distributed, "_finished_cleanly", True)
     monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
     monkeypatch.delattr(sys, "last_value", raising=False)
     monkeypatch.delattr(sys, "last_exc", raising=False)
@@ -154,6 +169,14 @@ def teardown_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_exit_teardown_meets_the_other_ranks_then_destroys(teardown_calls: list[str]) -> None:
     distributed._destroy()
     assert teardown_calls == [f"barrier {distributed.EXIT_BARRIER_TIMEOUT}", "destroy"]
+
+
+def test_exit_teardown_skips_the_barrier_unless_the_trainer_finished(
+    teardown_calls: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(distributed, "_finished_cleanly", False)
+    distributed._destroy()
+    assert teardown_calls == ["destroy"]
 
 
 def test_exit_teardown_skips_the_barrier_when_an_exception_ends_the_process(
@@ -169,9 +192,9 @@ def test_exit_teardown_destroys_even_when_the_barrier_fails(
     teardown_calls: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def timed_out(timeout: object) -> None:
-        raise RuntimeError("Rank 1 failed to pass monitoredBarrier")
+        raise RuntimeError("wait timeout after 300000ms, keys: /gpulayer/exit/all")
 
-    monkeypatch.setattr(dist, "monitored_barrier", timed_out)
+    monkeypatch.setattr(distributed, "_meet", timed_out)
     with caplog.at_level(logging.WARNING, logger="gpulayer.train"):
         distributed._destroy()
     assert teardown_calls == ["destroy"]

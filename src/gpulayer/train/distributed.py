@@ -23,6 +23,18 @@ _log = logging.getLogger("gpulayer.train")
 #: only a peer that is alive but never gets there costs this long.
 EXIT_BARRIER_TIMEOUT = timedelta(minutes=5)
 
+# Whether the Trainer's last fit()/validate() here returned normally. Only
+# then do the ranks meet at exit: a rank leaving on an error (an exception,
+# sys.exit(1) in a callback) must go at once, so that peers blocked in a
+# collective it will never join fail fast rather than wait for it.
+_finished_cleanly = False
+
+
+def finished_cleanly(done: bool) -> None:
+    """The Trainer says whether its current call returned normally."""
+    global _finished_cleanly
+    _finished_cleanly = done
+
 
 def init_process_group(env: ClusterEnvironment, accelerator: Accelerator) -> None:
     """Join the job's process group (NCCL on GPUs, gloo otherwise) once per process."""
@@ -62,15 +74,20 @@ def _destroy() -> None:
     """
     if not dist.is_initialized():
         return
-    if dist.get_backend() == dist.Backend.GLOO and not _exiting_on_error():
+    if _finished_cleanly and dist.get_backend() == dist.Backend.GLOO and not _exiting_on_error():
         try:
-            # Bounded: a dead peer fails it at once, a stuck one after the
-            # timeout (older torch has no dist.barrier timeout). Gloo only:
-            # NCCL ranks keep the plain teardown.
-            dist.monitored_barrier(timeout=EXIT_BARRIER_TIMEOUT)
+            _meet(EXIT_BARRIER_TIMEOUT)  # gloo only: NCCL ranks keep the plain teardown
         except Exception as exc:
             _log.warning("ranks did not meet at exit, tearing down alone: %s", exc)
     dist.destroy_process_group()
+
+
+def _meet(timeout: timedelta) -> None:
+    """Wait for every rank. ``monitored_barrier`` fails at once when a peer is
+    gone (its sockets closed) and bounds rank 0's wait by ``timeout``; the
+    other ranks wait for rank 0 as long as the group's own timeout allows,
+    which is what they should do while it finishes its last writes."""
+    dist.monitored_barrier(timeout=timeout)
 
 
 def _exiting_on_error() -> bool:

@@ -277,6 +277,7 @@ class Trainer:
         run.optimizer.zero_grad(set_to_none=True)
         self.should_stop = False
         self.fitting = True
+        distributed.finished_cleanly(False)
         self.validating_in_fit = run.val_data is not None
         try:
             for cb in run.callbacks:
@@ -289,6 +290,7 @@ class Trainer:
             model.on_fit_end()
             for cb in run.callbacks:
                 cb.on_fit_end(self, model)
+            distributed.finished_cleanly(True)
         finally:
             self.fitting = self.validating_in_fit = False
             model._attach(self)
@@ -319,6 +321,7 @@ class Trainer:
         path = resolve_ckpt_path(ckpt_path, self.default_root_dir, self.checkpoint_callbacks)
         if path is not None:
             model.load_state_dict(load_checkpoint(path, map_location="cpu")["state_dict"])
+        distributed.finished_cleanly(False)
         try:
             self._start_loggers(model)
             metrics = validation_loop(self, run)
@@ -331,6 +334,7 @@ class Trainer:
                 if verbose:
                     for key, value in metrics.items():
                         print(f"{key}: {value:.6g}")
+            distributed.finished_cleanly(True)
         finally:
             model._attach(self)
             for logger in self.loggers:
