@@ -47,7 +47,10 @@ from . import Transport
 T = TypeVar("T")
 _CHUNK = 1024 * 1024
 _MAX_IDLE = 8  # idle connections kept per transport
-_IDLE_MAX_S = 4.0  # below uvicorn's keep-alive timeout (5 s), after which it closes them
+# Below the server's keep-alive timeout (75 s, see http/server.py), after
+# which it closes idle connections; other servers may close them sooner,
+# which a request survives (see _exchange).
+_IDLE_MAX_S = 60.0
 # How a request fails on a keep-alive connection the server already closed.
 _CLOSED_UNDER_US = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 _POLL_S = 30.0  # the longest single long poll; longer waits loop

@@ -257,15 +257,18 @@ class Worker:
         for run in runs:
             run.stop("lost")
         with self._tasks_lock:
-            self._idle.wait_for(lambda: not self._tasks, timeout)
+            all_ended = self._idle.wait_for(lambda: not self._tasks, timeout)
         self._logs.stop()
         self._outbox.flush(timeout)
         self._outbox.stop()
         # If the server is away, it declares us lost when our heartbeats stop.
         with contextlib.suppress(ServerUnreachable, InvalidStateError):
             self.transport.unregister_worker(self.info.id)
-        shutil.rmtree(self.tasks_dir, ignore_errors=True)
-        if self._ledger is not None:
-            self._ledger.close()
+        if all_ended:
+            shutil.rmtree(self.tasks_dir, ignore_errors=True)
+            if self._ledger is not None:
+                self._ledger.close()
+        # Else a task outlived the wait: its folder and the ledger stay, for
+        # the next worker on this home to end what is left and tidy up.
         if self._thread is not None:
             self._thread.join(timeout)
