@@ -133,8 +133,11 @@ def test_a_failing_rank_fails_the_job_and_ends_every_rank(
     assert pids_alive(*pids) == []
 
 
-def test_cancel_reaches_every_node(cluster: gpulayer.Client, tmp_path: Path) -> None:
-    job = cluster.submit(command=[PY, "-c", HOLD, str(tmp_path)], nodes=2, procs_per_node=2)
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_cancel_reaches_every_node(cluster: gpulayer.Client, tmp_path: Path, launcher: str) -> None:
+    job = cluster.submit(
+        command=[PY, "-c", HOLD, str(tmp_path)], nodes=2, procs_per_node=2, launcher=launcher
+    )
     pids = ready_pids(job, 4)
     assert job.cancel() in ("running", "cancelled")
     assert job.wait(timeout=30) == "cancelled"
