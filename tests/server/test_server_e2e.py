@@ -98,6 +98,28 @@ def test_auth_rules(server: ServerProc) -> None:
     assert request(f"{server.url}/healthz")[0] == 200
 
 
+def test_a_worker_token_acts_only_for_the_workers_it_registered(server: ServerProc) -> None:
+    mine, other = server.token("worker"), server.token("worker")
+    workers = f"{server.url}/api/v1/workers"
+    info = b'{"worker": {"id": "", "name": "w", "host": "h", "slot_gpus": [null]}}'
+    status, registered = request(workers, token=mine, method="POST", body=info)
+    assert status == 201, registered
+    wid = registered["id"]
+    beat = f"{workers}/{wid}/heartbeat"
+    assert request(beat, token=mine, method="POST", body=b'{"running": []}')[0] == 204
+    status, body = request(beat, token=other, method="POST", body=b'{"running": []}')
+    assert status == 403 and "registered with another token" in str(body["error"])
+    assert other not in str(body) and mine not in str(body)
+    status, _ = request(f"{workers}/{wid}/acquire?timeout=0", token=other, method="POST", body=b"")
+    assert status == 403
+    # Coming back under that id needs the token it registered with...
+    again = info.replace(b'"id": ""', f'"id": "{wid}"'.encode())
+    assert request(workers, token=other, method="POST", body=again)[0] == 403
+    assert request(workers, token=mine, method="POST", body=again)[0] == 201
+    # ...and an admin acts for any worker.
+    assert request(beat, token=server.admin, method="POST", body=b'{"running": []}')[0] == 204
+
+
 @pytest.mark.parametrize(
     ("method", "path", "body", "status", "words"),
     [

@@ -210,6 +210,11 @@ class Api:
         # job would otherwise hash its token and query the store. Tokens are
         # never revoked or changed by the API, so a known one stays valid.
         self._roles: dict[str, str] = {}
+        # Which token (Authorization header) registered each worker: a worker token
+        # acts only for the workers it registered, not for others' (a fleet
+        # sharing one token shares that right). Kept in memory: after a
+        # restart, workers register again, and are bound again.
+        self._owners: dict[str, str] = {}
 
     def guard(
         self, roles: tuple[str, ...] | None, handler: Handler, query: tuple[str, ...] | None = ()
@@ -229,6 +234,7 @@ class Api:
                         self._roles[header] = role
                     auth.require(role, roles)
                     request.state.role = role
+                    request.state.token = header
                 else:
                     request.state.role = auth.ADMIN
                 unknown = [] if query is None else sorted(set(request.query_params) - set(query))
@@ -338,6 +344,7 @@ class Api:
         path = self.artifacts.path(digest)
         if request.state.role == auth.WORKER:
             worker_id = request.headers.get("x-gpulayer-worker", "")
+            self._check_owner(request, worker_id)
             if not self.plane.may_fetch(worker_id, digest, self.artifacts):
                 raise auth.AuthError(403, f"worker {worker_id or '?'} was not given blob {digest}")
         if not path.exists():
@@ -346,22 +353,42 @@ class Api:
 
     # ---- workers ----
 
+    def _check_owner(self, request: Request, worker_id: str) -> None:
+        """A worker token may act only for a worker it registered."""
+        if request.state.role != auth.WORKER:
+            return  # admins (and servers without auth) act for any worker
+        owner = self._owners.get(worker_id)
+        if owner is not None and owner != request.state.token:
+            raise auth.AuthError(
+                403,
+                f"worker {worker_id} was registered with another token; this one cannot act for it",
+            )
+
     async def register(self, request: Request) -> Response:
         body = await _body(request, RegisterRequest)
+        if body.worker.id:  # coming back under its id: only with the token it had
+            self._check_owner(request, body.worker.id)
         info = self.plane.register_worker(body.worker, [(j, a) for j, a in body.running])
+        if request.state.role == auth.WORKER:
+            self._owners[info.id] = request.state.token
         return _json(info, 201)
 
     async def unregister(self, request: Request) -> Response:
-        self.plane.unregister_worker(request.path_params["worker_id"])
+        worker_id = request.path_params["worker_id"]
+        self._check_owner(request, worker_id)
+        self.plane.unregister_worker(worker_id)
+        self._owners.pop(worker_id, None)
         return Response(status_code=204)
 
     async def heartbeat(self, request: Request) -> Response:
         await _body(request, HeartbeatRequest)
+        self._check_owner(request, request.path_params["worker_id"])
         self.plane.heartbeat(request.path_params["worker_id"])
         return Response(status_code=204)
 
     async def acquire(self, request: Request) -> Response:
         worker_id = request.path_params["worker_id"]
+        self._check_owner(request, worker_id)
         timeout = _query_float(request, "timeout", 30.0)
         ready: list[Instruction] = []
         generation = [0]
@@ -379,7 +406,9 @@ class Api:
         return _json(ready)
 
     async def task_started(self, request: Request) -> Response:
-        self.plane.task_started(await _body(request, TaskStarted))
+        report = await _body(request, TaskStarted)
+        self._check_owner(request, report.worker_id)
+        self.plane.task_started(report)
         return Response(status_code=204)
 
     async def task_logs(self, request: Request) -> Response:
@@ -389,13 +418,16 @@ class Api:
 
     async def task_rendezvous(self, request: Request) -> Response:
         report = await _body(request, RendezvousReport)
+        self._check_owner(request, report.worker_id)
         self.plane.task_rendezvous(
             report.job_id, report.attempt, report.worker_id, report.master_port
         )
         return Response(status_code=204)
 
     async def task_finished(self, request: Request) -> Response:
-        self.plane.task_finished(await _body(request, TaskResult), yield_to_waiters=False)
+        result = await _body(request, TaskResult)
+        self._check_owner(request, result.worker_id)
+        self.plane.task_finished(result, yield_to_waiters=False)
         # The waiting client's reply (and a next task's) go before this one.
         await asyncio.sleep(0)
         return Response(status_code=204)
