@@ -21,3 +21,29 @@ def test_a_workers_last_word_is_its_latest_heartbeat(tmp_path: Path) -> None:
         assert (seen.started, seen.last_seen) == (100.0, 142.5)
     finally:
         store.close()
+
+
+def test_waiting_on_a_job_that_just_ended_reads_no_store(tmp_path: Path) -> None:
+    from gpulayer.jobs import RunTask, TaskResult
+    from gpulayer.spec import parse_spec
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    try:
+        plane = ControlPlane(store, instance_id="test")
+        wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+        job = plane.submit(parse_spec({"command": ["x"]}))
+        (task,) = plane.take_instructions(wid)
+        assert isinstance(task, RunTask)
+        plane.task_finished(
+            TaskResult(job_id=job.id, attempt=1, worker_id=wid, outcome="exited", exit_code=0)
+        )
+
+        def no_reads(*args: object, **kwargs: object) -> None:
+            raise AssertionError("read the store")
+
+        store.get_job = no_reads  # type: ignore[method-assign, assignment]
+        store.find_job = no_reads  # type: ignore[method-assign, assignment]
+        final = plane.wait(job.id)
+        assert (final.state, final.exit_code) == ("succeeded", 0)
+    finally:
+        store.close()

@@ -59,6 +59,9 @@ PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 # Following logs of a job run by another process (embedded mode) re-reads the
 # store this often; within one process, appends wake followers at once.
 FOLLOW_RECHECK_S = 0.25
+# Final records of recently ended jobs the control plane keeps in memory, so
+# that waiting on a job that has just ended reads no store.
+FINISHED_JOBS_KEPT = 4096
 
 # Server mode.
 SERVER_PORT = 8585

@@ -14,9 +14,10 @@ import bisect
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
-from .. import jobs
+from .. import defaults, jobs
 from ..jobs import CancelTask, JobInfo, RunTask, TaskResult
 from ..scheduler import Assignment, Request, place
 from ..signals import Signal
@@ -57,6 +58,10 @@ class PlaneCore:
         self._running: dict[str, Running] = {}
         self._workers: dict[str, LiveWorker] = {}
         self._done: dict[str, Done] = {}
+        # The final records of the jobs that ended here lately: a client
+        # waiting on a burst of jobs asks about many that have just ended,
+        # and a final record never changes.
+        self._finished: OrderedDict[str, JobInfo] = OrderedDict()
         self._seq = max((j.seq for j in store.list_jobs(limit=1)), default=0)
 
     def _conclude(self, job_id: str, run: Running, result: TaskResult, now: float) -> bool:
@@ -312,8 +317,12 @@ class PlaneCore:
         done = self._done.pop(job_id, None)
         if done is not None:
             # Hand waiters the record (saves each a read of the store).
-            done.job = final or self.store.get_job(job_id)
+            done.job = final = final or self.store.get_job(job_id)
             done.signal.fire()
+        if final is not None and final.done:
+            self._finished[job_id] = final
+            if len(self._finished) > defaults.FINISHED_JOBS_KEPT:
+                self._finished.popitem(last=False)
         logs = self._logs.pop(job_id, None)
         if logs is not None:
             logs.fire()

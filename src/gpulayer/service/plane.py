@@ -75,7 +75,7 @@ class ControlPlane(Fleet, Recovery):
     def resolve(self, job_id: str) -> str:
         """A full id from an id or a unique prefix of one."""
         with self._lock:
-            if job_id in self._queue or job_id in self._running:
+            if job_id in self._queue or job_id in self._running or job_id in self._finished:
                 return job_id
         found = self.store.find_job(job_id)
         if job_id in found:
@@ -138,6 +138,9 @@ class ControlPlane(Fleet, Recovery):
         with self._lock:
             if job_id in self._queue or job_id in self._running:
                 return None, self._done.setdefault(job_id, Done())
+            final = self._finished.get(job_id)
+        if final is not None:
+            return final, None
         job = self.store.get_job(job_id)
         if job is None:
             raise JobNotFoundError(f"no job with id {job_id!r}")
