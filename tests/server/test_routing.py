@@ -1,0 +1,111 @@
+"""The server's ASGI router, driven directly with ASGI messages (no socket)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gpulayer.http.routing import App
+
+
+async def _ok(request: Request) -> Response:
+    return JSONResponse({"params": request.path_params, "method": request.method})
+
+
+async def _boom(request: Request) -> Response:
+    raise RuntimeError("a bug in a handler")
+
+
+APP = App(
+    [
+        ("GET", "/api/v1/jobs", _ok),
+        ("POST", "/api/v1/jobs", _ok),
+        ("GET", "/api/v1/jobs/{job_id}", _ok),
+        ("GET", "/api/v1/blobs/{digest:str}", _ok),
+        ("GET", "/boom", _boom),
+    ]
+)
+
+
+def call(app: App, method: str, path: str) -> tuple[int, dict[str, str], Any]:
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [],
+    }
+    asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
+    start = sent[0]
+    headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    return start["status"], headers, json.loads(body) if body else None
+
+
+def test_fixed_and_parameterised_paths_reach_their_handlers() -> None:
+    status, _, body = call(APP, "GET", "/api/v1/jobs")
+    assert (status, body) == (200, {"params": {}, "method": "GET"})
+    status, _, body = call(APP, "GET", "/api/v1/jobs/1m8k")
+    assert status == 200 and body["params"] == {"job_id": "1m8k"}
+    status, _, body = call(APP, "GET", "/api/v1/blobs/" + "a" * 64)
+    assert status == 200 and body["params"] == {"digest": "a" * 64}
+    status, _, _ = call(APP, "HEAD", "/api/v1/jobs")  # HEAD is answered as GET
+    assert status == 200
+
+
+def test_unknown_paths_and_methods_get_json_errors() -> None:
+    status, _, body = call(APP, "GET", "/api/v2/jobs")
+    assert (status, body) == (404, {"error": "no endpoint at /api/v2/jobs"})
+    status, _, body = call(APP, "GET", "/api/v1/jobs/a/b")  # one segment per parameter
+    assert status == 404
+    status, headers, body = call(APP, "DELETE", "/api/v1/jobs")
+    assert status == 405
+    assert headers["allow"] == "GET, HEAD, POST"
+    assert body == {"error": "DELETE is not allowed on /api/v1/jobs (allowed: GET, HEAD, POST)"}
+
+
+def test_a_failing_handler_is_a_json_500_and_logged(caplog: Any) -> None:
+    status, _, body = call(APP, "GET", "/boom")
+    assert status == 500
+    assert body == {"error": "the server failed on this request; see its log"}
+    assert "GET /boom failed" in caplog.text and "a bug in a handler" in caplog.text
+
+
+def test_the_lifespan_runs_around_the_server() -> None:
+    events: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: object) -> AsyncIterator[None]:
+        events.append("up")
+        yield
+        events.append("down")
+
+    app = App([])
+    app.lifespan = lifespan
+    inbox = [{"type": "lifespan.startup"}, {"type": "lifespan.shutdown"}]
+    sent: list[str] = []
+
+    async def receive() -> dict[str, Any]:
+        return inbox.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message["type"])
+
+    asyncio.run(app({"type": "lifespan"}, receive, send))  # type: ignore[arg-type]
+    assert events == ["up", "down"]
+    assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
