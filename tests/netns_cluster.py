@@ -30,7 +30,6 @@ do not clash.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import itertools
 import os
 import re
@@ -39,8 +38,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 from pathlib import Path
+from typing import IO
 
 import gpulayer
 
@@ -171,6 +171,36 @@ def _tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
+class _Announced:
+    """A process's output, copied line by line into its log file by a thread
+    (a pipe nobody read could fill and stall the process), which notes when
+    the process says it is serving: the server once it listens, a worker once
+    it has registered."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.log = log
+        self.serving = False
+        self._said = threading.Event()  # serving, or the output ended
+        assert proc.stdout is not None
+        self.thread = threading.Thread(target=self._copy, args=(proc.stdout,), daemon=True)
+        self.thread.start()
+
+    def _copy(self, pipe: IO[bytes]) -> None:
+        with pipe, self.log.open("wb") as out:
+            for line in pipe:
+                out.write(line)
+                out.flush()
+                if not self.serving and b"serving" in line:
+                    self.serving = True
+                    self._said.set()
+        self._said.set()
+
+    def wait(self, failure: str, timeout: float = 60) -> None:
+        self._said.wait(timeout)
+        if not self.serving:
+            raise RuntimeError(f"{failure}:\n{_tail(self.log)}")
+
+
 class NetnsCluster:
     """``gpulayer server start`` in one namespace, ``workers`` one-slot workers
     each in its own; this process reaches them through its veth.
@@ -201,6 +231,7 @@ class NetnsCluster:
         self.admin = ""
         self.server: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
+        self._outputs: list[_Announced] = []
         self.worker_names = {host: f"netns-{os.getpid()}-{host}" for host in self.worker_hosts}
 
     @property
@@ -224,18 +255,19 @@ class NetnsCluster:
 
     def _spawn(
         self, host: str, argv: list[str], log: Path, env: dict[str, str] | None = None
-    ) -> subprocess.Popen[bytes]:
-        # Output to a file: a pipe nobody reads could fill and stall the process.
+    ) -> tuple[subprocess.Popen[bytes], _Announced]:
         # Own session: a Ctrl-C reaches only the caller, which stops them in order.
-        with log.open("wb") as out:
-            return subprocess.Popen(
-                self.net.exec_argv(host, argv),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+        proc = subprocess.Popen(
+            self.net.exec_argv(host, argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        announced = _Announced(proc, log)
+        self._outputs.append(announced)
+        return proc, announced
 
     def start(self) -> None:
         self.net.create()
@@ -244,15 +276,11 @@ class NetnsCluster:
             "--home", str(home), "server", "start", "--host", self.server_addr,
             "--port", str(SERVER_PORT), "--heartbeat-timeout", "30",
         )  # fmt: skip
-        self.server = self._spawn("server", argv, log)
-        deadline = time.monotonic() + 60
-        while not self._healthy():
-            if self.server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start in its namespace:\n{_tail(log)}")
-            time.sleep(0.05)  # another process is binding: nothing to block on
+        self.server, announced = self._spawn("server", argv, log)
+        announced.wait("the server did not start in its namespace")
         self.admin = (home / "admin-token").read_text().strip()
         env = {**os.environ, "GPULAYER_TOKEN": self.admin}
-        logs = []
+        starting = []
         for host in self.worker_hosts:
             log = self.root / f"worker-{host}.log"
             argv = self._cli(
@@ -260,24 +288,11 @@ class NetnsCluster:
                 "worker", "start", "--slots", str(self.slots),
                 "--name", self.worker_names[host], "--kill-grace", str(self.kill_grace),
             )  # fmt: skip
-            self.workers.append(self._spawn(host, argv, log, env))
-            logs.append((self.workers[-1], log))
-        deadline = time.monotonic() + 60
-        for proc, log in logs:  # "gpulayer: worker <id> (...) serving URL" once registered
-            while "serving" not in _tail(log):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"a worker did not register:\n{_tail(log)}")
-                time.sleep(0.05)
-
-    def _healthy(self) -> bool:
-        conn = http.client.HTTPConnection(self.server_addr, SERVER_PORT, timeout=1)
-        try:
-            conn.request("GET", "/healthz")
-            return conn.getresponse().status == 200
-        except OSError:
-            return False
-        finally:
-            conn.close()
+            proc, announced = self._spawn(host, argv, log, env)
+            self.workers.append(proc)
+            starting.append(announced)
+        for announced in starting:  # "gpulayer: worker <id> (...) serving URL" once registered
+            announced.wait("a worker did not register")
 
     def client(self) -> gpulayer.Client:
         """A client of the server, with the admin token."""
@@ -300,6 +315,8 @@ class NetnsCluster:
                 _stop(proc)
             if self.server is not None:
                 _stop(self.server)
+            for output in self._outputs:  # the copies end with the processes
+                output.thread.join(timeout=10)
         finally:
             try:
                 self.net.close()

@@ -468,6 +468,8 @@ def server_start(
         tls_key=tls_key,
         heartbeat_timeout=heartbeat_timeout,
     )
+    sock = srv.bind()
+    # Said once it listens: whoever started it may connect as soon as it reads this.
     click.echo(f"gpulayer: serving {srv.url} (home {srv.home.path})", err=True)
     if srv.admin_token:
         click.echo(
@@ -475,7 +477,7 @@ def server_start(
             err=True,
         )
         click.echo(srv.admin_token)
-    srv.serve()
+    srv.serve(sock)
 
 
 @main.group()

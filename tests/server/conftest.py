@@ -7,8 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,20 +55,14 @@ class ServerProc:
             text=True,
             stdin=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 30
-        while True:  # readiness: the health endpoint answers
-            try:
-                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"server exited: {self.proc.stderr.read() if self.proc.stderr else ''}"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)  # waiting for another process to bind: nothing to block on
+        assert self.proc.stderr is not None
+        said = []
+        for line in self.proc.stderr:  # "gpulayer: serving URL" once it listens
+            said.append(line)
+            if "serving" in line:
+                break
+        else:
+            raise RuntimeError("the server ended before serving:\n" + "".join(said))
         self.admin = (self.home / "admin-token").read_text().strip()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:

@@ -35,6 +35,8 @@ from ..service import ControlPlane
 from ..store.sqlite import SqliteStore
 from . import auth
 
+_BACKLOG = 4096  # connections the kernel holds while the server is busy
+
 if TYPE_CHECKING:
     from .routing import App
 
@@ -183,6 +185,20 @@ class Server:
         self.home.release_instance(self.instance_id)
         os.close(self._server_lock)
 
+    def bind(self) -> socket.socket:
+        """The listening socket, before the server runs: once this returns,
+        connections are accepted (and answered when :meth:`serve` starts)."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+            sock.listen(_BACKLOG)
+        except OSError as exc:
+            sock.close()
+            raise GPUlayerError(f"cannot listen on {self.host}:{self.port}: {exc}") from None
+        return sock
+
     def serve(self, sock: socket.socket | None = None) -> None:
         import uvicorn
 
@@ -195,7 +211,7 @@ class Server:
             log_level="warning",
             access_log=False,  # no request lines (and never a header) in the logs
             timeout_graceful_shutdown=5,
-            backlog=4096,
+            backlog=_BACKLOG,
             # Longer than the heartbeat interval, so a worker's connection
             # is not closed between two of its heartbeats.
             timeout_keep_alive=75,
