@@ -25,6 +25,26 @@ from . import defaults
 from .errors import GPUlayerError
 
 
+def take_lock(path: Path, *, create: bool) -> int | None:
+    """``flock`` the file at ``path`` unless a live process holds it; the fd.
+
+    None when another process holds it (it is alive), or, without
+    ``create``, when the file is not there (being made or removed).
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def resolve_home(
     home: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
 ) -> Path:
@@ -107,13 +127,7 @@ class Home:
         None means the instance is alive. Holding the lock while recovering
         keeps two processes from recovering the same instance at once.
         """
-        fd = os.open(self.instances / f"{instance_id}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
+        return take_lock(self.instances / f"{instance_id}.lock", create=True)
 
     def is_alive(self, instance_id: str) -> bool:
         fd = self.lock_if_dead(instance_id)

@@ -20,13 +20,13 @@ gone, rather than after the heartbeat timeout.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import secrets
 import shutil
 from pathlib import Path
 
+from ..home import take_lock
 from .process import kill_orphans
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,9 @@ class Ledger:
         # Locked before it has its name: no one can see it unlocked.
         new = self.root / f".new-{name}"
         (new / "tasks").mkdir(parents=True)
-        self._fd = os.open(new / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = take_lock(new / "lock", create=True)
+        assert fd is not None  # a name no one else has
+        self._fd = fd
         self.dir = new.rename(self.root / name)
         self._tasks = f"{self.dir}/tasks/"
 
@@ -51,7 +52,7 @@ class Ledger:
         for other in sorted(self.root.iterdir()):
             if other == self.dir or other.name.startswith("."):
                 continue
-            fd = _lock_if_dead(other)
+            fd = take_lock(other / "lock", create=False)
             if fd is None:
                 continue  # a live worker's (another worker process on this home)
             try:
@@ -93,19 +94,6 @@ class Ledger:
         """The worker stops cleanly: nothing of its is left to recover."""
         shutil.rmtree(self.dir, ignore_errors=True)
         os.close(self._fd)
-
-
-def _lock_if_dead(path: Path) -> int | None:
-    try:
-        fd = os.open(path / "lock", os.O_RDWR)
-    except OSError:
-        return None  # being created or removed right now
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
 
 
 def _read(record: Path) -> list[tuple[int, float]]:
