@@ -2,10 +2,46 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import gpulayer
 
 PY = sys.executable
+ALLREDUCE = Path(__file__).parent / "distributed" / "allreduce.py"
+
+
+def run_2x2_allreduce(
+    client: gpulayer.Client,
+    out_dir: Path,
+    launcher: str | None = None,
+    context: Callable[[], str] = lambda: "",
+) -> gpulayer.Job:
+    """Run the 2x2 gloo all-reduce job (tests/distributed/allreduce.py) and
+    check what it must give: the sum rank 0 wrote, and each rank's line,
+    tagged with its rank. ``context`` adds to a failure's message."""
+    job = client.submit(
+        str(ALLREDUCE),
+        args=["sum.json"],
+        nodes=2,
+        procs_per_node=2,
+        launcher=launcher,
+        outputs=["sum.json"],
+        timeout=90,
+    )
+    assert job.wait(timeout=120) == "succeeded", f"{job.logs()}\n{context()}"
+    out = job.download_outputs(out_dir)
+    assert json.loads((out / "sum.json").read_text()) == {"sum": 10.0, "world": 4, "env_rank": "0"}
+    said = {
+        line.rank: line.text.split(" port ")[0]
+        for line in job.stream_logs(follow=False)
+        if " sum " in line.text
+    }
+    assert said == {r: f"rank {r}/4 sum 10" for r in range(4)}
+    return job
 
 
 def pids_alive(*pids: int) -> list[int]:

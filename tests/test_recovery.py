@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import gpulayer
 
@@ -31,16 +32,23 @@ sys.stdin.read()  # hold still until killed
 """
 
 
-def test_a_crashed_embedded_process_is_recovered(home: Path) -> None:
+def crash(home: Path, script: str) -> dict[str, Any]:
+    """Run ``script`` (an embedded GPUlayer process on ``home``) until it
+    prints its JSON line, then SIGKILL it; that line, decoded."""
     env = {**os.environ, "GPULAYER_HOME": str(home)}
     with subprocess.Popen(
-        [PY, "-c", CRASHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        [PY, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
     ) as proc:
         try:
             assert proc.stdout is not None
-            ids = json.loads(proc.stdout.readline())
+            said: dict[str, Any] = json.loads(proc.stdout.readline())
         finally:
             proc.send_signal(signal.SIGKILL)
+    return said
+
+
+def test_a_crashed_embedded_process_is_recovered(home: Path) -> None:
+    ids = crash(home, CRASHER)
     assert pids_alive(ids["grandchild"]), (
         "the job's process outlives its control plane until recovery"
     )
@@ -111,15 +119,7 @@ sys.stdin.read()  # hold still until killed
 
 
 def test_every_rank_of_a_crashed_distributed_job_is_ended(home: Path) -> None:
-    env = {**os.environ, "GPULAYER_HOME": str(home)}
-    with subprocess.Popen(
-        [PY, "-c", GANG_CRASHER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
-    ) as proc:
-        try:
-            assert proc.stdout is not None
-            ids = json.loads(proc.stdout.readline())
-        finally:
-            proc.send_signal(signal.SIGKILL)
+    ids = crash(home, GANG_CRASHER)
     assert len(pids_alive(*ids["pids"])) == 4
     with gpulayer.Client(home=home) as client:
         job = client.job(ids["job"])

@@ -12,10 +12,8 @@ import pytest
 
 import gpulayer
 
-from helpers import PY, pids_alive
+from helpers import ALLREDUCE, PY, pids_alive, run_2x2_allreduce
 
-HERE = Path(__file__).parent
-ALLREDUCE = HERE / "allreduce.py"
 LAUNCHERS = ["direct", "torchrun"]
 
 # Each rank prints its wiring as one JSON line.
@@ -88,23 +86,7 @@ def test_the_jobs_own_thread_count_is_kept(cluster: gpulayer.Client) -> None:
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_2x2_gloo_all_reduce(cluster: gpulayer.Client, launcher: str, tmp_path: Path) -> None:
-    job = cluster.submit(
-        str(ALLREDUCE),
-        args=["sum.json"],
-        nodes=2,
-        procs_per_node=2,
-        launcher=launcher,
-        outputs=["sum.json"],
-    )
-    assert job.wait(timeout=120) == "succeeded", job.logs()
-    out = job.download_outputs(tmp_path / "out")
-    assert json.loads((out / "sum.json").read_text()) == {
-        "sum": 10.0,
-        "world": 4,
-        "env_rank": "0",
-    }
-    said = {(line.rank, line.text.rsplit(" port ", 1)[0]) for line in job.stream_logs(follow=False)}
-    assert {(r, f"rank {r}/4 sum 10") for r in range(4)} <= said
+    run_2x2_allreduce(cluster, tmp_path / "out", launcher)
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)

@@ -20,9 +20,8 @@ import pytest
 import gpulayer
 from netns_cluster import IFNAME, NetnsCluster, netns_unavailable
 
-from helpers import PY
+from helpers import PY, run_2x2_allreduce
 
-ALLREDUCE = Path(__file__).parent.parent / "distributed" / "allreduce.py"
 PRINT_ADDR = (
     "import json, os; print(json.dumps({k: os.environ[k] for k in "
     "('RANK', 'NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'GLOO_SOCKET_IFNAME')}))"
@@ -60,29 +59,12 @@ def node0_address(cluster: NetnsCluster, client: gpulayer.Client, job: gpulayer.
 def test_a_2x2_gloo_all_reduce_across_namespaces(
     cluster: NetnsCluster, client: gpulayer.Client, launcher: str, tmp_path: Path
 ) -> None:
-    job = client.submit(
-        str(ALLREDUCE),
-        args=["sum.json"],
-        nodes=2,
-        procs_per_node=2,
-        launcher=launcher,
-        outputs=["sum.json"],
-        # No GLOO_SOCKET_IFNAME here: each worker names the interface of its
-        # advertised address. Without that, gloo listens on the address the
-        # hostname resolves to (127.0.0.1 here) and the ranks on the other
-        # worker fail with "Gloo connectFullMesh failed ... Connection
-        # refused, remote=[127.0.0.1]:PORT".
-        timeout=90,
-    )
-    assert job.wait(timeout=120) == "succeeded", f"{job.logs()}\n{cluster.logs()}"
-    out = job.download_outputs(tmp_path / "out")
-    assert json.loads((out / "sum.json").read_text()) == {"sum": 10.0, "world": 4, "env_rank": "0"}
-    said = {
-        line.rank: line.text.split(" port ")[0]
-        for line in job.stream_logs(follow=False)
-        if " sum " in line.text
-    }
-    assert said == {r: f"rank {r}/4 sum 10" for r in range(4)}
+    # No GLOO_SOCKET_IFNAME in the job: each worker names the interface of
+    # its advertised address. Without that, gloo listens on the address the
+    # hostname resolves to (127.0.0.1 here) and the ranks on the other worker
+    # fail with "Gloo connectFullMesh failed ... Connection refused,
+    # remote=[127.0.0.1]:PORT".
+    job = run_2x2_allreduce(client, tmp_path / "out", launcher, context=cluster.logs)
     addr = node0_address(cluster, client, job)
     assert addr != "127.0.0.1"
     assert addr.startswith(cluster.net.prefix + ".")

@@ -14,7 +14,7 @@ import pytest
 import gpulayer
 from server.conftest import ServerProc, free_port
 
-from helpers import PY, pids_alive
+from helpers import PY, pids_alive, run_2x2_allreduce
 
 
 def follow_until(job: gpulayer.Job, prefix: str) -> str:
@@ -346,15 +346,8 @@ def test_a_distributed_job_across_worker_processes(server: ServerProc, tmp_path:
     ranks all-reduce across the two worker processes, logs come back tagged."""
     server.start_worker(tmp_path / "w1")
     server.start_worker(tmp_path / "w2")
-    allreduce = Path(__file__).parent.parent / "distributed" / "allreduce.py"
     with server.client() as client:
-        job = client.submit(
-            allreduce, args=["sum.json"], nodes=2, procs_per_node=2, outputs=["sum.json"]
-        )
-        assert job.wait(timeout=120) == "succeeded", job.logs()
-        out = job.download_outputs(tmp_path / "dl")
-        assert json.loads((out / "sum.json").read_text())["sum"] == 10.0
-        assert sorted(line.rank for line in job.stream_logs(follow=False)) == [0, 1, 2, 3]
+        job = run_2x2_allreduce(client, tmp_path / "dl")
         assert len({t.worker for t in job.refresh().tasks}) == 2
 
 
