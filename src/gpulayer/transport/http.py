@@ -142,25 +142,32 @@ class HttpTransport(Transport):
         path: str,
         *,
         query: Mapping[str, Any] | None = None,
-        body: bytes | None = None,
+        body: bytes | Callable[[], Any] | None = None,
+        headers: Mapping[str, str] | None = None,
         wait: float = 0.0,
         retry: bool = True,
     ) -> Iterator[http.client.HTTPResponse]:
         """One request, its response for the caller to read. Connection
         failures are retried (``retry``), then raise ServerUnreachable; error
         statuses raise. The connection goes back to the pool if the caller
-        read the response to its end."""
+        read the response to its end.
+
+        ``body`` is JSON bytes, or a function giving the body afresh for each
+        try (a file rewound); ``headers`` then say what it is."""
         target = self._base + path
         if query:
             target += "?" + urllib.parse.urlencode(query, doseq=True)
-        headers = self._headers({"Content-Type": "application/json"} if body is not None else None)
+        sent = self._headers(
+            headers or ({"Content-Type": "application/json"} if body is not None else None)
+        )
         attempts = self._retries if retry else 1
         attempt = 0
         while True:
             conn = self._checkout(self._timeout + wait)
             reused = conn.sock is not None
             try:
-                conn.request(method, target, body=body, headers=headers)
+                payload = body() if callable(body) else body
+                conn.request(method, target, body=payload, headers=sent)
                 response = conn.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()  # a half-used keep-alive connection cannot be trusted
@@ -286,36 +293,20 @@ class HttpTransport(Transport):
         digest = digest or sha256_file(path)
         size = path.stat().st_size
         with open(path, "rb") as f:
-            body = _Reader(f, on_progress)
-            for attempt in range(self._retries):
+            reader = _Reader(f, on_progress)
+
+            def from_the_start() -> _Reader:
                 f.seek(0)
-                conn = self._checkout(self._timeout)
-                try:
-                    conn.request(
-                        "PUT",
-                        f"{self._base}/api/v1/blobs/{digest}",
-                        body=body,
-                        headers=self._headers(
-                            {
-                                "Content-Type": "application/octet-stream",
-                                "Content-Length": str(size),
-                            }
-                        ),
-                    )
-                    response = conn.getresponse()
-                except (OSError, http.client.HTTPException) as exc:
-                    conn.close()
-                    if attempt + 1 == self._retries:
-                        raise ServerUnreachable(f"cannot upload to {self.url}: {exc}") from None
-                    continue
-                if response.status >= 400:
-                    error = self._error(response)
-                    self._checkin(conn)
-                    raise error
+                return reader
+
+            with self._exchange(
+                "PUT",
+                f"/api/v1/blobs/{digest}",
+                body=from_the_start,
+                headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
+            ) as response:
                 response.read()
-                self._checkin(conn)
-                return digest
-        raise AssertionError("unreachable")
+        return digest
 
     def upload_bytes(self, data: bytes) -> str:
         digest = hashlib.sha256(data).hexdigest()
