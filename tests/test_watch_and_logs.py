@@ -9,7 +9,7 @@ from pathlib import Path
 from gpulayer.jobs import LogLine
 from gpulayer.worker.logs import LogSender
 from gpulayer.worker.process import spawn
-from gpulayer.worker.watch import LineSplitter, watch
+from gpulayer.worker.watch import LineSplitter, watch_all
 
 from helpers import PY
 
@@ -45,7 +45,9 @@ def test_watch_reports_exit_and_all_output(tmp_path: Path) -> None:
     code = "import sys\nfor i in range(3): print(i); print('e', i, file=sys.stderr)\nsys.exit(4)"
     proc = spawn([PY, "-c", code], cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
     lines: list[tuple[str, str]] = []
-    exit_code, exited_at = watch(proc, lambda stream, text: lines.append((stream, text)))
+    ((exit_code, exited_at),) = watch_all(
+        [proc], lambda i, stream, text: lines.append((stream, text))
+    )
     assert exit_code == 4 and exited_at > 0
     assert [t for s, t in lines if s == "stdout"] == ["0", "1", "2"]
     assert [t for s, t in lines if s == "stderr"] == ["e 0", "e 1", "e 2"]
@@ -55,7 +57,7 @@ def test_watch_ends_strays_that_hold_the_pipes(tmp_path: Path) -> None:
     # The main process exits at once; its child keeps stdout open for a minute.
     code = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
     proc = spawn([PY, "-c", code], cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
-    exit_code, _ = watch(proc, lambda s, t: None)
+    ((exit_code, _),) = watch_all([proc], lambda i, s, t: None)
     assert exit_code == 0  # returns promptly: the stray got SIGTERM when the leader exited
 
 
@@ -69,8 +71,8 @@ def test_watch_calls_the_deadline_once(tmp_path: Path) -> None:
 
     import time
 
-    code, _ = watch(
-        proc, lambda s, t: None, deadline=time.monotonic() + 0.2, on_deadline=on_deadline
+    ((code, _),) = watch_all(
+        [proc], lambda i, s, t: None, deadline=time.monotonic() + 0.2, on_deadline=on_deadline
     )
     assert calls == [1] and code == -15
 

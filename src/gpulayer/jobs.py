@@ -136,11 +136,11 @@ class RunTask(msgspec.Struct, tag="run", kw_only=True, omit_defaults=True):
     spec: JobSpec
     slots: list[int]
     gpus: list[int]
-    # Distributed jobs: this task's node, and where rank 0 listens. Node 0's
-    # worker reserves the port; the other nodes learn it from a Rendezvous.
+    # Distributed jobs: this task's node, and the address rank 0 listens at.
+    # Node 0's worker reserves the port; the other nodes learn it from a
+    # Rendezvous.
     node: int = 0
     master_addr: str | None = None
-    master_port: int | None = None
 
 
 class Rendezvous(msgspec.Struct, tag="rendezvous", kw_only=True):

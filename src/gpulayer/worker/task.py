@@ -110,7 +110,7 @@ class TaskRun:
         # Distributed jobs: the master port (reserved here on node 0, given
         # by a Rendezvous elsewhere) and the first rank of this node to fail.
         self._port_sock: socket.socket | None = None
-        self._master_port = task.master_port
+        self._master_port: int | None = None
         self._rendezvous = threading.Event()
         self._failed: tuple[int | None, int] | None = None
         self._proc_times: list[tuple[int, float | None]] = []

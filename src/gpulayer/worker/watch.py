@@ -1,8 +1,9 @@
 """Watching a running task from one thread: its output, its exit, its deadline.
 
-One ``poll`` set holds the task's stdout and stderr pipes and a descriptor
-that becomes readable when the process exits (a pidfd on Linux; elsewhere a
-pipe written by a small waiter thread). The task's thread blocks in
+One ``poll`` set holds the stdout and stderr pipes of the task's process
+(or of each of its ranks) and, for each, a descriptor that becomes readable
+when it exits (a pidfd on Linux; elsewhere a pipe written by a small waiter
+thread). The task's thread blocks in
 ``poll`` until one of them is ready or the deadline passes, so a task costs
 one thread, and nothing sleeps or polls on a timer.
 """
@@ -86,29 +87,6 @@ def _exit_fd(proc: subprocess.Popen[bytes]) -> tuple[int, Callable[[], None]]:
         os.close(write_end)
 
     return read_end, close
-
-
-def watch(
-    proc: subprocess.Popen[bytes],
-    emit: Emit,
-    *,
-    deadline: float | None = None,
-    on_deadline: Callable[[], None] | None = None,
-    still_running_at: float | None = None,
-    on_still_running: Callable[[], None] | None = None,
-) -> tuple[int, float]:
-    """Ship the output of ``proc`` to ``emit`` until it exits and its pipes close.
-
-    Returns the exit code and the time of the exit. See :func:`watch_all`.
-    """
-    return watch_all(
-        [proc],
-        lambda _, stream, text: emit(stream, text),
-        deadline=deadline,
-        on_deadline=on_deadline,
-        still_running_at=still_running_at,
-        on_still_running=on_still_running,
-    )[0]
 
 
 class _Watched:
