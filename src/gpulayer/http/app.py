@@ -29,8 +29,9 @@ from ..errors import (
     JobNotFoundError,
     SpecError,
 )
-from ..jobs import STATES, Instruction, LogChunk, TaskResult, TaskStarted
+from ..jobs import STATES, LogChunk, TaskResult, TaskStarted
 from ..service import ControlPlane
+from ..service.state import Delivery
 from ..signals import Unsubscribe
 from . import auth
 from .metrics import Metrics
@@ -48,6 +49,8 @@ from .schemas import (
 
 log = logging.getLogger(__name__)
 _MAX_CACHED_TOKENS = 10_000
+# Where the guard leaves the caller's (role, Authorization header) in the ASGI scope.
+_CALLER = "gpulayer.caller"
 T = TypeVar("T")
 
 MAX_POLL_S = 60.0  # a long poll returns empty after this; the caller asks again
@@ -159,6 +162,11 @@ def _query_int(
     return value
 
 
+def _role(request: Request) -> str:
+    role: str = request.scope[_CALLER][0]
+    return role
+
+
 async def until_signal(
     plane: ControlPlane,
     subscribe: Callable[[Callable[[], None]], Unsubscribe | None],
@@ -233,11 +241,15 @@ class Api:
                             self._roles.clear()
                         self._roles[header] = role
                     auth.require(role, roles)
-                    request.state.role = role
-                    request.state.token = header
+                    request.scope[_CALLER] = (role, header)
                 else:
-                    request.state.role = auth.ADMIN
-                unknown = [] if query is None else sorted(set(request.query_params) - set(query))
+                    request.scope[_CALLER] = (auth.ADMIN, "")
+                # Most requests have no query string: parse none then.
+                unknown = (
+                    sorted(set(request.query_params) - set(query))
+                    if query is not None and request.scope["query_string"]
+                    else ()
+                )
                 if unknown:
                     takes = f"it takes {', '.join(query)}" if query else "it takes none"
                     raise ApiError(422, f"unknown query parameter {unknown[0]!r}; {takes}")
@@ -342,7 +354,7 @@ class Api:
     async def get_blob(self, request: Request) -> Response:
         digest = request.path_params["digest"]
         path = self.artifacts.path(digest)
-        if request.state.role == auth.WORKER:
+        if _role(request) == auth.WORKER:
             worker_id = request.headers.get("x-gpulayer-worker", "")
             self._check_owner(request, worker_id)
             if not self.plane.may_fetch(worker_id, digest, self.artifacts):
@@ -355,10 +367,11 @@ class Api:
 
     def _check_owner(self, request: Request, worker_id: str) -> None:
         """A worker token may act only for a worker it registered."""
-        if request.state.role != auth.WORKER:
+        role, token = request.scope[_CALLER]
+        if role != auth.WORKER:
             return  # admins (and servers without auth) act for any worker
         owner = self._owners.get(worker_id)
-        if owner is not None and owner != request.state.token:
+        if owner is not None and owner != token:
             raise auth.AuthError(
                 403,
                 f"worker {worker_id} was registered with another token; this one cannot act for it",
@@ -369,8 +382,9 @@ class Api:
         if body.worker.id:  # coming back under its id: only with the token it had
             self._check_owner(request, body.worker.id)
         info = self.plane.register_worker(body.worker, [(j, a) for j, a in body.running])
-        if request.state.role == auth.WORKER:
-            self._owners[info.id] = request.state.token
+        role, token = request.scope[_CALLER]
+        if role == auth.WORKER:
+            self._owners[info.id] = token
         return _json(info, 201)
 
     async def unregister(self, request: Request) -> Response:
@@ -387,23 +401,51 @@ class Api:
         return Response(status_code=204)
 
     async def acquire(self, request: Request) -> Response:
+        """The worker's long poll. With ``ack`` (what a worker of this version
+        sends), deliveries are numbered and re-sent until acknowledged; the
+        first one's number is in the ``X-GPUlayer-Seq`` header."""
         worker_id = request.path_params["worker_id"]
         self._check_owner(request, worker_id)
         timeout = _query_float(request, "timeout", 30.0)
-        ready: list[Instruction] = []
-        generation = [0]
+        numbered = "ack" in request.query_params
+        ack: list[int | None] = [_query_int(request, "ack", 0) if numbered else None]
+        opened: list[tuple[Delivery, bool, int]] = []
 
         def subscribe(callback: Callable[[], None]) -> Unsubscribe | None:
-            items, unsubscribe, generation[0] = self.plane.watch_worker(worker_id, callback)
-            ready.extend(items)
+            delivery, unsubscribe, generation = self.plane.watch_worker(
+                worker_id, callback, numbered=numbered, ack=ack[0]
+            )
+            opened.append((delivery, unsubscribe is None, generation))
             return unsubscribe
 
-        if await until_signal(self.plane, subscribe, timeout) and not ready:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            fired = await until_signal(self.plane, subscribe, max(0.0, deadline - loop.time()))
+            delivery, at_once, generation = opened[-1]
+            if at_once or not fired:
+                break
             # A poll left open by a worker process that has since been
             # replaced (same id) gets nothing: its reply may go nowhere.
-            ready = self.plane.take_instructions(worker_id, generation[0])
-        self.metrics.observe_dispatch(ready, time.time())
-        return _json(ready)
+            taken = (
+                self.plane.take_delivery(worker_id, generation)
+                if numbered
+                else Delivery(0, self.plane.take_instructions(worker_id, generation))
+            )
+            if taken is None or taken.items or not numbered:
+                delivery = taken or delivery
+                break
+            # The worker's own finished report took them (see task_finished):
+            # this poll waits on, acknowledging nothing more.
+            ack[0] = None
+        return self._deliver(delivery, numbered)
+
+    def _deliver(self, delivery: Delivery, numbered: bool) -> Response:
+        self.metrics.observe_dispatch(delivery.items, time.time())
+        response = _json(delivery.items)
+        if numbered:
+            response.headers["X-GPUlayer-Seq"] = str(delivery.first)
+        return response
 
     async def task_started(self, request: Request) -> Response:
         report = await _body(request, TaskStarted)
@@ -425,12 +467,23 @@ class Api:
         return Response(status_code=204)
 
     async def task_finished(self, request: Request) -> Response:
+        """Apply a task's result. With ``take=1`` the reply carries what waits
+        for the reporting worker now, numbered and acknowledged (``ack``) as
+        a long poll's reply is (see :meth:`acquire`): in a stream of short
+        jobs, the next task comes with the answer to this report instead of
+        in a long poll reply of its own.
+        """
         result = await _body(request, TaskResult)
         self._check_owner(request, result.worker_id)
+        take = _query_int(request, "take", 0, high=1)
+        ack = _query_int(request, "ack", 0) if "ack" in request.query_params else None
         self.plane.task_finished(result, yield_to_waiters=False)
+        delivery = self.plane.take_delivery(result.worker_id, ack=ack) if take else None
         # The waiting client's reply (and a next task's) go before this one.
         await asyncio.sleep(0)
-        return Response(status_code=204)
+        if not take:
+            return _json([])
+        return self._deliver(delivery or Delivery(0, []), True)
 
     # ---- admin and operations ----
 
@@ -475,11 +528,15 @@ def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: b
         ("POST", f"{v1}/workers", g(worker, api.register)),
         ("DELETE", f"{v1}/workers/{{worker_id}}", g(worker, api.unregister)),
         ("POST", f"{v1}/workers/{{worker_id}}/heartbeat", g(worker, api.heartbeat)),
-        ("POST", f"{v1}/workers/{{worker_id}}/acquire", g(worker, api.acquire, ("timeout",))),
+        (
+            "POST",
+            f"{v1}/workers/{{worker_id}}/acquire",
+            g(worker, api.acquire, ("timeout", "ack")),
+        ),
         ("POST", f"{v1}/tasks/started", g(worker, api.task_started)),
         ("POST", f"{v1}/tasks/logs", g(worker, api.task_logs)),
         ("POST", f"{v1}/tasks/rendezvous", g(worker, api.task_rendezvous)),
-        ("POST", f"{v1}/tasks/finished", g(worker, api.task_finished)),
+        ("POST", f"{v1}/tasks/finished", g(worker, api.task_finished, ("take", "ack"))),
         ("POST", f"{v1}/blobs/missing", g(both, api.missing_blobs)),
         ("PUT", f"{v1}/blobs/{{digest:str}}", g(both, api.put_blob)),
         ("GET", f"{v1}/blobs/{{digest:str}}", g(both, api.get_blob)),

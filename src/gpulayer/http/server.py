@@ -216,5 +216,10 @@ class Server:
             # is not closed between two of its heartbeats.
             timeout_keep_alive=75,
             limit_concurrency=None,
+            # Nothing reads the client's address, so X-Forwarded-* headers
+            # need no parsing on every request; and no "server: uvicorn"
+            # line for every client to parse on every reply.
+            proxy_headers=False,
+            server_header=False,
         )
         uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
