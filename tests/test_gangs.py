@@ -184,8 +184,8 @@ def test_a_long_poll_of_a_replaced_worker_process_takes_nothing(plane: ControlPl
     successor registers under the same id: what is placed then is the new one's."""
     wid = worker(plane, "a")
     woken: list[bool] = []
-    items, _, generation = plane.watch_worker(wid, lambda: woken.append(True))
-    assert items == []
+    delivery, _, generation = plane.watch_worker(wid, lambda: woken.append(True))
+    assert delivery.items == []
     plane.register_worker(WorkerInfo(id=wid, name="a", host="a", slot_gpus=[None]), [])
     assert woken == [True]  # the old poll is ended...
     job = plane.submit(parse_spec({"command": ["x"]}))

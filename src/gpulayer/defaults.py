@@ -71,6 +71,9 @@ HEARTBEAT_INTERVAL_S = 5.0
 HEARTBEAT_TIMEOUT_S = 30.0
 # A worker that cannot reach the server retries with backoff up to this.
 RECONNECT_MAX_S = 10.0
+# Instructions sent to a worker over HTTP and not yet acknowledged, kept to
+# send again; beyond this many (a worker that never acknowledges), the oldest go.
+UNACKED_MAX = 10_000
 # A task that ends while the server is unreachable keeps trying to store its
 # outputs this long before it is reported as failed.
 OUTPUT_UPLOAD_PATIENCE_S = 600.0

@@ -95,7 +95,14 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
         "Long poll for the worker's next instructions",
         None,
         list[Instruction],
-        {"timeout": (_TIMEOUT, "seconds to wait, 0-60")},
+        {
+            "timeout": (_TIMEOUT, "seconds to wait, 0-60"),
+            "ack": (
+                _CURSOR,
+                "number the deliveries: the worker got every instruction up to this one; "
+                "later ones are sent again, and the X-GPUlayer-Seq header numbers the first",
+            ),
+        },
     ),
     ("post", "/api/v1/tasks/started", "A task's process started", TaskStarted, None, {}),
     ("post", "/api/v1/tasks/logs", "A batch of a task's log lines", LogBatch, None, {}),
@@ -107,7 +114,21 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
         None,
         {},
     ),
-    ("post", "/api/v1/tasks/finished", "A task ended", TaskResult, None, {}),
+    (
+        "post",
+        "/api/v1/tasks/finished",
+        "A task ended; with take=1 the reply carries the worker's next instructions",
+        TaskResult,
+        list[Instruction],
+        {
+            "take": (
+                {"type": "integer", "minimum": 0, "maximum": 1},
+                "1: reply with what waits for the reporting worker, numbered as acquire's "
+                "reply is (X-GPUlayer-Seq); else an empty list",
+            ),
+            "ack": (_CURSOR, "with take=1: as acquire's ack"),
+        },
+    ),
     (
         "post",
         "/api/v1/blobs/missing",

@@ -27,7 +27,7 @@ from ..jobs import (
 )
 from ..signals import Signal, Unsubscribe, wait_on
 from .core import PlaneCore, log
-from .state import LiveWorker, Running, failures
+from .state import Delivery, LiveWorker, Running, failures
 
 
 class Fleet(PlaneCore):
@@ -64,6 +64,8 @@ class Fleet(PlaneCore):
                 stale, worker.wake = worker.wake, Signal()
                 stale.fire()
                 worker.inbox.clear()
+                worker.unacked.clear()
+                worker.seq = 0  # the new process counts from the start
                 for job_id in list(worker.running):
                     run = self._running[job_id]
                     if (job_id, run.attempt) in reported:
@@ -180,16 +182,27 @@ class Fleet(PlaneCore):
             return self._drain(worker)
 
     def watch_worker(
-        self, worker_id: str, callback: Callable[[], None]
-    ) -> tuple[list[Instruction], Unsubscribe | None, int]:
+        self,
+        worker_id: str,
+        callback: Callable[[], None],
+        *,
+        numbered: bool = False,
+        ack: int | None = None,
+    ) -> tuple[Delivery, Unsubscribe | None, int]:
         """Instructions waiting for the worker, or a subscription for the next
-        ones; and the worker's generation, for :meth:`take_instructions`."""
+        ones; and the worker's generation, for :meth:`take_delivery`.
+
+        ``numbered`` deliveries are kept until acknowledged: ``ack`` says the
+        worker got every one up to that number, and those after it are sent
+        again (the reply that carried them may have been lost).
+        """
         with self._lock:
             worker = self._live(worker_id)
             worker.last_seen = self._clock()
-            if worker.inbox or worker.closed:
-                return self._drain(worker), None, worker.generation
-            return [], worker.wake.subscribe(callback), worker.generation
+            resend = self._acknowledge(worker, ack) if numbered and ack is not None else []
+            if resend or worker.inbox or worker.closed:
+                return self._deliver(worker, numbered, resend), None, worker.generation
+            return Delivery(worker.seq + 1, []), worker.wake.subscribe(callback), worker.generation
 
     def take_instructions(self, worker_id: str, generation: int | None = None) -> list[Instruction]:
         """What waits for the worker; nothing for a long poll of an earlier
@@ -199,6 +212,44 @@ class Fleet(PlaneCore):
             if generation is not None and generation != worker.generation:
                 return []
             return self._drain(worker)
+
+    def take_delivery(
+        self, worker_id: str, generation: int | None = None, *, ack: int | None = None
+    ) -> Delivery | None:
+        """What waits for the worker, numbered, after acknowledging ``ack``
+        (see :meth:`watch_worker`); None if it is no longer registered, or
+        registered again since ``generation``."""
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            if worker is None or not worker.connected:
+                return None
+            if generation is not None and generation != worker.generation:
+                return None
+            resend = self._acknowledge(worker, ack) if ack is not None else []
+            return self._deliver(worker, True, resend)
+
+    def _acknowledge(self, worker: LiveWorker, ack: int) -> list[tuple[int, Instruction]]:
+        """Forget deliveries numbered up to ``ack``; the ones left, to send again."""
+        unacked = worker.unacked
+        while unacked and unacked[0][0] <= ack:
+            unacked.popleft()
+        return list(unacked)
+
+    def _deliver(
+        self, worker: LiveWorker, numbered: bool, resend: list[tuple[int, Instruction]]
+    ) -> Delivery:
+        items = self._drain(worker)
+        if not numbered:
+            return Delivery(0, items)
+        first = worker.seq + 1
+        for item in items:
+            worker.seq += 1
+            worker.unacked.append((worker.seq, item))
+        while len(worker.unacked) > defaults.UNACKED_MAX:  # a worker that never acknowledges
+            worker.unacked.popleft()
+        if resend:
+            return Delivery(resend[0][0], [item for _, item in resend] + items)
+        return Delivery(first, items)
 
     def _live(self, worker_id: str) -> LiveWorker:
         worker = self._workers.get(worker_id)

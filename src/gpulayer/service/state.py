@@ -18,6 +18,15 @@ from ..signals import Signal
 from ..spec import JobSpec
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """Instructions for a worker; numbered ``first``, ``first + 1``, ... when
+    taken over HTTP (0 when in-process, where nothing is lost on the way)."""
+
+    first: int
+    items: list[Instruction]
+
+
 @dataclass
 class Pending:
     request: Request
@@ -96,6 +105,11 @@ class LiveWorker:
     # worker's previous process (killed, its request still held here) must
     # not take what is meant for the new one.
     generation: int = 0
+    # Numbered deliveries (over HTTP): the last number given, and what was
+    # sent but not yet acknowledged, re-sent when the worker's next long
+    # poll says it did not get it (a reply lost on the way).
+    seq: int = 0
+    unacked: deque[tuple[int, Instruction]] = field(default_factory=deque)
 
     _capacity: Capacity | None = None  # cached until its free slots change
 

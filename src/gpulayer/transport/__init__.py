@@ -98,7 +98,10 @@ class Transport(abc.ABC):
     ) -> None: ...
 
     @abc.abstractmethod
-    def task_finished(self, result: TaskResult) -> None: ...
+    def task_finished(self, result: TaskResult) -> list[Instruction]:
+        """Report a task's end; returns instructions for the reporting worker
+        that came with the reply (a server sends its next task this way), to
+        act on as on those from :meth:`acquire`."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the default holds none."""

@@ -57,6 +57,32 @@ _POLL_S = 30.0  # the longest single long poll; longer waits loop
 _encode = msgspec.json.encode
 
 
+class _Received:
+    """Which numbered instructions a worker got (see the server's acquire).
+
+    They come in replies to its long poll and to its finished reports, which
+    can arrive in either order; one whose reply was lost is sent again. So
+    each is handed on once: the first time its number is seen.
+    """
+
+    def __init__(self) -> None:
+        self.acked = 0  # got every one up to this number
+        self._ahead: set[int] = set()  # and these, past a gap
+        self._lock = threading.Lock()
+
+    def accept(self, first: int, items: list[Instruction]) -> list[Instruction]:
+        fresh = []
+        with self._lock:
+            for seq, item in enumerate(items, first):
+                if seq > self.acked and seq not in self._ahead:
+                    self._ahead.add(seq)
+                    fresh.append(item)
+            while self.acked + 1 in self._ahead:
+                self.acked += 1
+                self._ahead.discard(self.acked)
+        return fresh
+
+
 class HttpTransport(Transport):
     def __init__(
         self,
@@ -86,6 +112,7 @@ class HttpTransport(Transport):
         # TCP handshake (and a new connection on the server) per report.
         self._idle: list[tuple[float, http.client.HTTPConnection]] = []
         self._idle_lock = threading.Lock()
+        self._received = _Received()
 
     def __repr__(self) -> str:
         return f"HttpTransport({self.url!r})"  # never the token
@@ -336,6 +363,7 @@ class HttpTransport(Transport):
         body = _encode({"worker": info, "running": [list(r) for r in running]})
         registered = self._call("POST", "/api/v1/workers", WorkerInfo, body=body)
         self.worker_id = registered.id
+        self._received = _Received()  # the server numbers a registration's deliveries afresh
         return registered
 
     def unregister_worker(self, worker_id: str) -> None:
@@ -348,14 +376,23 @@ class HttpTransport(Transport):
 
     def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
         timeout = min(timeout, 60.0)
-        return self._call(
-            "POST",
+        return self._instructions(
             f"/api/v1/workers/{_q(worker_id)}/acquire",
-            list[Instruction],
-            query={"timeout": f"{timeout:.3f}"},
+            None,
+            {"timeout": f"{timeout:.3f}", "ack": self._received.acked},
             wait=timeout,
             retry=False,
         )
+
+    def _instructions(
+        self, path: str, body: bytes | None, query: Mapping[str, Any], **kwargs: Any
+    ) -> list[Instruction]:
+        """A numbered delivery of instructions; those not seen before, in order."""
+        with self._exchange("POST", path, query=query, body=body, **kwargs) as response:
+            raw = response.read()
+            first = response.getheader("X-GPUlayer-Seq")
+        items = msgspec.json.decode(raw, type=list[Instruction])
+        return self._received.accept(int(first), items) if first else items
 
     def task_started(self, report: TaskStarted) -> None:
         self._post("/api/v1/tasks/started", report)
@@ -372,8 +409,12 @@ class HttpTransport(Transport):
             batch["node"] = node
         self._post("/api/v1/tasks/logs", batch)
 
-    def task_finished(self, result: TaskResult) -> None:
-        self._post("/api/v1/tasks/finished", result)
+    def task_finished(self, result: TaskResult) -> list[Instruction]:
+        # The reply brings what waits for this worker: in a stream of short
+        # jobs, its next task, one long poll reply fewer per job.
+        return self._instructions(
+            "/api/v1/tasks/finished", _encode(result), {"take": 1, "ack": self._received.acked}
+        )
 
     def local_address(self) -> str:
         """This machine's address on the route to the server (no packet is sent)."""

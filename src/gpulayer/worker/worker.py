@@ -26,7 +26,7 @@ from pathlib import Path
 from .. import defaults
 from ..artifacts import ArtifactStore
 from ..errors import InvalidStateError, ServerUnreachable, WorkerError
-from ..jobs import CancelTask, Rendezvous, RunTask, TaskResult, WorkerInfo
+from ..jobs import CancelTask, Instruction, Rendezvous, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
 from .gpus import Gpu, detect_gpus
 from .launch import interface_of
@@ -37,6 +37,8 @@ from .task import TaskRun
 from .workspace import make_spare, reuse_if_empty
 
 log = logging.getLogger(__name__)
+
+_EARLY_MAX = 1024  # instructions kept for tasks not (yet) here
 
 
 class Worker:
@@ -101,6 +103,8 @@ class Worker:
         # for the next one on this home to end if it dies (see ledger.py).
         self._ledger = Ledger(work_dir) if ledger else None
         self._interface: str | None = None  # of its advertised address (launch.py)
+        # Cancels and master ports that came before their task (see _handle).
+        self._early: dict[tuple[str, int], list[Instruction]] = {}
 
     @property
     def id(self) -> str:
@@ -148,20 +152,36 @@ class Worker:
                 backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
                 continue
             backoff = 0.05
-            now = time.time()
-            for instruction in instructions:
-                if isinstance(instruction, RunTask):
-                    self._start_task(instruction, now)
-                elif isinstance(instruction, CancelTask):
-                    with self._tasks_lock:
-                        run = self._tasks.get((instruction.job_id, instruction.attempt))
-                    if run is not None:
-                        run.stop("cancelled")
-                elif isinstance(instruction, Rendezvous):
-                    with self._tasks_lock:
-                        run = self._tasks.get((instruction.job_id, instruction.attempt))
-                    if run is not None:
-                        run.set_master_port(instruction.master_port)
+            self._handle(instructions)
+
+    def _handle(self, instructions: list[Instruction]) -> None:
+        """Act on instructions from a long poll, or from a finished report's reply.
+
+        The two arrive on different threads and connections, so a task's
+        cancel or master port can come before the task itself: it is kept,
+        and applied when the task arrives.
+        """
+        now = time.time()
+        for instruction in instructions:
+            if isinstance(instruction, RunTask):
+                self._start_task(instruction, now)
+                continue
+            key = (instruction.job_id, instruction.attempt)
+            with self._tasks_lock:
+                run = self._tasks.get(key)
+                if run is None:
+                    self._early.setdefault(key, []).append(instruction)
+                    while len(self._early) > _EARLY_MAX:  # cancels of tasks long ended
+                        del self._early[next(iter(self._early))]
+                    continue
+            self._apply(run, instruction)
+
+    @staticmethod
+    def _apply(run: TaskRun, instruction: Instruction) -> None:
+        if isinstance(instruction, CancelTask):
+            run.stop("cancelled")
+        elif isinstance(instruction, Rendezvous):
+            run.set_master_port(instruction.master_port)
 
     def _reregister(self) -> None:
         # Results kept while the server was away go first: a task that ended
@@ -200,7 +220,7 @@ class Worker:
                 outcome="lost",
                 node=task.node,
             )
-            self._outbox.send(lambda: self.transport.task_finished(result))
+            self._outbox.send(lambda: self._handle(self.transport.task_finished(result)))
             return
         with self._tasks_lock:
             task_dir = self._spares.pop() if self._spares else self._new_dir()
@@ -219,10 +239,14 @@ class Worker:
             on_spawned=None if self._ledger is None else self._task_spawned,
             interface=self._interface,
             report=self._outbox.send,
+            on_instructions=self._handle,
             defer_started=defaults.REPORT_STARTED_AFTER_S if self.heartbeat_interval else None,
         )
         with self._tasks_lock:
             self._tasks[run.key] = run
+            early = self._early.pop(run.key, [])
+        for instruction in early:
+            self._apply(run, instruction)
         run.start()
 
     def _task_spawned(self, run: TaskRun, procs: list[tuple[int, float | None]]) -> None:

@@ -1,0 +1,142 @@
+"""How instructions reach a worker over HTTP: numbered, re-sent until
+acknowledged, and the next task carried by the reply to a finished report.
+
+Raw requests to a real server play the worker, so each reply can be read,
+or dropped as if the network lost it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+from gpulayer.artifacts import ArtifactStore
+from gpulayer.http.app import create_app
+from gpulayer.http.routing import App
+from gpulayer.jobs import WorkerInfo
+from gpulayer.service import ControlPlane
+from gpulayer.spec import parse_spec
+from gpulayer.store.sqlite import SqliteStore
+from server.conftest import ServerProc
+from server.rawhttp import request
+
+
+def _register(server: ServerProc) -> str:
+    worker = {"id": "", "name": "w", "host": "h", "slot_gpus": [None]}
+    status, info, _ = request(server, "POST", "/api/v1/workers", {"worker": worker})
+    assert status == 201, info
+    return str(info["id"])
+
+
+def _submit(server: ServerProc) -> str:
+    status, job, _ = request(server, "POST", "/api/v1/jobs", {"spec": {"command": ["true"]}})
+    assert status == 201, job
+    return str(job["id"])
+
+
+def _acquire(server: ServerProc, wid: str, query: str) -> tuple[list[Any], str | None]:
+    status, items, headers = request(server, "POST", f"/api/v1/workers/{wid}/acquire?{query}")
+    assert status == 200, items
+    return list(items), headers.get("x-gpulayer-seq")
+
+
+def _finished(
+    server: ServerProc, wid: str, job_id: str, query: str
+) -> tuple[list[Any], str | None]:
+    report = {"job_id": job_id, "attempt": 1, "worker_id": wid, "outcome": "exited", "exit_code": 0}
+    status, items, headers = request(server, "POST", f"/api/v1/tasks/finished?{query}", report)
+    assert status == 200, items
+    return list(items), headers.get("x-gpulayer-seq")
+
+
+async def _call(app: App, method: str, path: str, query: str, body: object = None) -> Any:
+    """One request straight into the ASGI app: (status, JSON body, X-GPUlayer-Seq)."""
+    raw = json.dumps(body).encode() if body is not None else b""
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "query_string": query.encode(),
+        "headers": [(b"content-type", b"application/json")],
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    headers = dict(sent[0]["headers"])
+    seq = headers.get(b"x-gpulayer-seq")
+    return sent[0]["status"], json.loads(sent[1]["body"]), seq and seq.decode()
+
+
+def test_the_next_task_comes_with_the_finished_reply_not_the_open_poll(tmp_path: Path) -> None:
+    """In a stream of jobs on one slot, the finished report's reply carries the
+    next task: the worker's open long poll is not answered with it (one reply,
+    not two). One event loop, so the poll is surely open when the report comes."""
+    store = SqliteStore(tmp_path / "db.sqlite")
+    plane = ControlPlane(store, instance_id="test")
+    app = create_app(plane, ArtifactStore(tmp_path / "blobs"), auth_enabled=False)
+    wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+    first, second = (plane.submit(parse_spec({"command": ["true"]})).id for _ in range(2))
+    acquire = f"/api/v1/workers/{wid}/acquire"
+    report = {"job_id": first, "attempt": 1, "worker_id": wid, "outcome": "exited", "exit_code": 0}
+
+    async def scenario() -> None:
+        status, items, seq = await _call(app, "POST", acquire, "timeout=5&ack=0")
+        assert (status, [i["job_id"] for i in items], seq) == (200, [first], "1")
+        poll = asyncio.create_task(_call(app, "POST", acquire, "timeout=0.5&ack=1"))
+        for _ in range(3):  # let it run up to its wait
+            await asyncio.sleep(0)
+        assert not poll.done()
+        finished = await _call(app, "POST", "/api/v1/tasks/finished", "take=1&ack=1", report)
+        status, items, seq = finished
+        assert (status, [(i["type"], i["job_id"]) for i in items], seq) == (
+            200,
+            [("run", second)],
+            "2",
+        )
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not poll.done()  # woken by the placement, it found nothing and waits on
+        assert await poll == (200, [], "3")  # it waited out its timeout, empty-handed
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()
+
+
+def test_a_delivery_whose_reply_was_lost_is_sent_again(server: ServerProc) -> None:
+    wid = _register(server)
+    job_id = _submit(server)
+    items, seq = _acquire(server, wid, "timeout=5&ack=0")
+    assert (items[0]["job_id"], seq) == (job_id, "1")
+    # That reply "was lost": the next poll acknowledges nothing yet, and the
+    # task comes again with its number; a poll acknowledging it gets nothing.
+    again, seq = _acquire(server, wid, "timeout=5&ack=0")
+    assert (again, seq) == (items, "1")
+    assert _acquire(server, wid, "timeout=0&ack=1") == ([], "2")
+    # A finished report acknowledges too, and what it does not cover comes again.
+    second = _submit(server)  # waits for the one slot
+    items, seq = _finished(server, wid, job_id, "take=1&ack=1")
+    assert ([i["job_id"] for i in items], seq) == ([second], "2")
+    assert _finished(server, wid, job_id, "take=1&ack=1") == (items, "2")  # reply lost: again
+    assert _finished(server, wid, job_id, "take=1&ack=2") == ([], "3")
+
+
+def test_workers_that_do_not_number_deliveries_get_plain_lists(server: ServerProc) -> None:
+    wid = _register(server)
+    job_id = _submit(server)
+    items, seq = _acquire(server, wid, "timeout=5")
+    assert ([i["job_id"] for i in items], seq) == ([job_id], None)
+    assert _acquire(server, wid, "timeout=0") == ([], None)  # taken once, never re-sent
+    _submit(server)
+    assert _finished(server, wid, job_id, "") == ([], None)  # no take: nothing comes with it
+    items, _ = _acquire(server, wid, "timeout=5")
+    assert len(items) == 1
