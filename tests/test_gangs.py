@@ -91,6 +91,14 @@ def test_lines_from_several_nodes_are_numbered_once_in_arrival_order(
     assert [line.seq for line in first.lines + later.lines] == [1, 2, 3, 4, 5, 6]
     assert [line.rank for line in later.lines] == [2]
 
+    # The server restarts; node 1 sends its last batch again (the reply was
+    # lost in the crash), with a line more: only that line is new.
+    successor = ControlPlane(plane.store, instance_id="successor")
+    successor.recover("test", workers_outlive=True)
+    successor.append_logs(job_id, 1, lines(range(1, 5), rank=2), node=1)
+    after = successor.logs_after(job_id, later.cursor)
+    assert [(line.seq, line.text) for line in after.lines] == [(7, "r2 l4")]
+
 
 def test_the_first_failure_ends_the_other_nodes_and_names_its_rank(plane: ControlPlane) -> None:
     job_id, _, _, w0, w1 = gang(plane)

@@ -365,7 +365,7 @@ class Fleet(PlaneCore):
                 for i, line in enumerate(fresh, 1)
             ]
             run.log_seq = base + len(numbered)
-            self.store.append_logs(job_id, attempt, numbered)
+            self.store.append_logs(job_id, attempt, numbered, node=node, node_last=fresh[-1].seq)
             signal = self._logs.get(job_id)
             if signal is not None:
                 signal.fire()

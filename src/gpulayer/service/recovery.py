@@ -139,6 +139,8 @@ class Recovery(PlaneCore):
             )
             if len(tasks) > 1:  # go on numbering its log lines after those stored
                 run.log_seq = self.store.last_log_seq(job.id, job.attempt)
+                # and know the lines each node sent already (it may send them again)
+                run.log_seen = self.store.node_lines(job.id, job.attempt)
                 run.master_port = job.tasks[0].port
             self._running[job.id] = run
         for info in known.values():

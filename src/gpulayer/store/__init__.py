@@ -115,7 +115,21 @@ class Store(abc.ABC):
     ) -> list[JobInfo]: ...
 
     @abc.abstractmethod
-    def append_logs(self, job_id: str, attempt: int, lines: Sequence[LogLine]) -> None: ...
+    def append_logs(
+        self,
+        job_id: str,
+        attempt: int,
+        lines: Sequence[LogLine],
+        *,
+        node: int = 0,
+        node_last: int | None = None,
+    ) -> None:
+        """Store a batch. A node of a job of several also gives ``node_last``,
+        the batch's last line in the node's own numbering (see :meth:`node_lines`)."""
+
+    @abc.abstractmethod
+    def node_lines(self, job_id: str, attempt: int) -> dict[int, int]:
+        """For a job of several nodes: each node's last line stored, in its own numbering."""
 
     @abc.abstractmethod
     def last_log_seq(self, job_id: str, attempt: int) -> int:

@@ -89,6 +89,17 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ALTER TABLE jobs ADD COLUMN tasks TEXT
         """,
     ),
+    # 4: which node of a job of several sent each log batch, and the last
+    # line of it in that node's own numbering (the server numbers the lines
+    # anew): a restarted server must know which lines a node re-sends.
+    (
+        """
+        ALTER TABLE log_batches ADD COLUMN node INTEGER NOT NULL DEFAULT 0
+        """,
+        """
+        ALTER TABLE log_batches ADD COLUMN node_last INTEGER
+        """,
+    ),
 )
 
 LATEST = len(MIGRATIONS)

@@ -367,15 +367,33 @@ class SqliteStore(Store):
         with self._lock:
             return int(self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0])
 
-    def append_logs(self, job_id: str, attempt: int, lines: Sequence[LogLine]) -> None:
+    def append_logs(
+        self,
+        job_id: str,
+        attempt: int,
+        lines: Sequence[LogLine],
+        *,
+        node: int = 0,
+        node_last: int | None = None,
+    ) -> None:
         if not lines:
             return
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO log_batches (job_id, attempt, first_seq, last_seq, lines) "
-                "VALUES (?,?,?,?,?)",
-                (job_id, attempt, lines[0].seq, lines[-1].seq, _encode(lines)),
+                "INSERT OR REPLACE INTO log_batches "
+                "(job_id, attempt, first_seq, last_seq, lines, node, node_last) "
+                "VALUES (?,?,?,?,?,?,?)",
+                (job_id, attempt, lines[0].seq, lines[-1].seq, _encode(lines), node, node_last),
             )
+
+    def node_lines(self, job_id: str, attempt: int) -> dict[int, int]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT node, MAX(node_last) FROM log_batches "
+                "WHERE job_id=? AND attempt=? AND node_last IS NOT NULL GROUP BY node",
+                (job_id, attempt),
+            ).fetchall()
+        return {int(node): int(last) for node, last in rows}
 
     def last_log_seq(self, job_id: str, attempt: int) -> int:
         with self._lock:
