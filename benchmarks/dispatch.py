@@ -35,10 +35,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import IO
 
 import gpulayer
 
@@ -183,6 +184,12 @@ def _tail(path: Path, lines: int = 20) -> str:
         return ""
 
 
+def _copy(source: IO[bytes], log: IO[bytes]) -> None:
+    with log:
+        for line in source:
+            log.write(line)
+
+
 def _stop(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -196,9 +203,9 @@ def _stop(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
 class LoopbackServer:
     """`gpulayer server start` on 127.0.0.1 in a temporary home, and its workers.
 
-    Every process writes its output to a file in the home (a pipe nobody
-    reads could fill and stall it); ``close`` stops the workers, then the
-    server, and removes the home, whatever happened before.
+    Each is waited for by its "serving" line, and its output is copied to a
+    file in the home; ``close`` stops the workers, then the server, and
+    removes the home, whatever happened before.
     """
 
     def __init__(self) -> None:
@@ -224,18 +231,33 @@ class LoopbackServer:
     def _spawn(
         self, argv: list[str], log: Path, env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
-        with log.open("wb") as err:
-            # Own session: a Ctrl-C reaches only the benchmark, which stops
-            # the workers before the server, in order. Stdout is left out: the
-            # server prints its admin token there (read from the home instead).
-            return subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                env=env,
-                start_new_session=True,
-            )
+        """Start a process and block until it says "serving" on stderr.
+
+        What it writes is copied to ``log`` (a pipe nobody read could fill and
+        stall it). Own session: a Ctrl-C reaches only the benchmark, which
+        stops the workers before the server, in order. Stdout is left out:
+        the server prints its admin token there (read from the home instead).
+        """
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        assert proc.stderr is not None
+        out = log.open("wb")
+        for line in proc.stderr:  # "gpulayer: ... serving URL" once it listens / registered
+            out.write(line)
+            if b"serving" in line:
+                break
+        else:
+            out.close()
+            proc.wait()
+            raise RuntimeError(f"{argv[4:6]} ended before serving:\n{_tail(log)}")
+        threading.Thread(target=_copy, args=(proc.stderr, out), daemon=True).start()
+        return proc
 
     def _start(self) -> None:
         home, log = self.root / "server", self.root / "server.log"
@@ -243,25 +265,13 @@ class LoopbackServer:
             "--home", str(home), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)
         )
         self.proc = self._spawn(argv, log)
-        deadline = time.monotonic() + 60
-        while True:  # ready when the health endpoint answers
-            try:
-                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start:\n{_tail(log)}") from None
-                time.sleep(0.02)  # another process is binding: nothing to block on
         self.admin = (home / "admin-token").read_text().strip()
 
     def start_workers(self, count: int) -> None:
         """``count`` one-slot worker processes, each registered when this returns."""
         env = {**os.environ, "GPULAYER_TOKEN": self.admin}
-        logs = []
         for _ in range(count):
             i = len(self.workers)
-            log = self.root / f"worker-{i}.log"
             argv = _cli(
                 "--home",
                 str(self.root / f"worker-{i}"),
@@ -274,14 +284,7 @@ class LoopbackServer:
                 "--name",
                 f"bench-{i}",
             )
-            self.workers.append(self._spawn(argv, log, env))
-            logs.append((self.workers[-1], log))
-        deadline = time.monotonic() + 60
-        for proc, log in logs:  # "gpulayer: worker <id> (...) serving URL" once registered
-            while "serving" not in _tail(log):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"a worker did not register:\n{_tail(log)}")
-                time.sleep(0.02)
+            self.workers.append(self._spawn(argv, self.root / f"worker-{i}.log", env))
 
     def client(self) -> gpulayer.Client:
         return gpulayer.Client(self.url, token=self.admin)
