@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,20 @@ from gpulayer.store.sqlite import SqliteStore
 from server.conftest import ServerProc
 from server.rawhttp import request
 
+from helpers import PY
+
 
 def _register(server: ServerProc) -> str:
     worker = {"id": "", "name": "w", "host": "h", "slot_gpus": [None]}
     status, info, _ = request(server, "POST", "/api/v1/workers", {"worker": worker})
     assert status == 201, info
     return str(info["id"])
+
+
+def _generation(server: ServerProc, wid: str) -> str:
+    """The worker's registration, as a poll's reply names it."""
+    _, _, headers = request(server, "POST", f"/api/v1/workers/{wid}/acquire?timeout=0&ack=0")
+    return headers["x-gpulayer-generation"]
 
 
 def _submit(server: ServerProc) -> str:
@@ -140,3 +149,49 @@ def test_workers_that_do_not_number_deliveries_get_plain_lists(server: ServerPro
     assert _finished(server, wid, job_id, "") == ([], None)  # no take: nothing comes with it
     items, _ = _acquire(server, wid, "timeout=5")
     assert len(items) == 1
+
+
+def test_a_stopping_worker_does_not_take_the_queue_with_it(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    """Its running task ends lost; it must not then take each waiting job in
+    the reply to handing the last one back, and hand that back too."""
+    proc = server.start_worker(tmp_path / "w", slots=1)
+    with server.client() as client:
+        code = "import time; print('up', flush=True); time.sleep(60)"
+        running = client.submit(command=[PY, "-c", code])
+        assert client.transport.read_logs(running.id, (0, 0), timeout=30).lines  # it runs
+        waiting = [client.submit(command=["true"]) for _ in range(20)]  # the one slot is busy
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        assert running.refresh().state == "lost"
+        states = [job.refresh().state for job in waiting]
+    # One or two may have been placed on it as it stopped (and handed back);
+    # the rest wait for another worker.
+    assert states.count("queued") >= len(waiting) - 2, states
+
+
+def test_an_acknowledgement_from_an_earlier_registration_confirms_nothing(
+    server: ServerProc,
+) -> None:
+    wid = _register(server)
+    done = _submit(server)
+    items, seq = _acquire(server, wid, "timeout=5&ack=0")
+    old = _generation(server, wid)
+    assert items[0]["job_id"] == done
+    _finished(server, wid, done, f"take=1&ack=1&gen={old}")
+    # The worker registers again (same id): numbers start afresh, under a new generation.
+    worker = {"id": wid, "name": "w", "host": "h", "slot_gpus": [None]}
+    status, _, headers = request(server, "POST", "/api/v1/workers", {"worker": worker})
+    new = headers["x-gpulayer-generation"]
+    assert status == 201 and new != old
+    job_id = _submit(server)
+    items, seq = _acquire(server, wid, f"timeout=5&ack=0&gen={new}")
+    assert ([i["job_id"] for i in items], seq) == ([job_id], "1")  # and that reply is lost
+    # A report made before the re-registration, with its old numbers, lands now:
+    # it acknowledges nothing and takes nothing.
+    assert _finished(server, wid, done, f"take=1&ack=3&gen={old}") == ([], "0")
+    # So the next poll gets the lost task again; a stale poll gets nothing.
+    items, seq = _acquire(server, wid, f"timeout=5&ack=0&gen={new}")
+    assert ([i["job_id"] for i in items], seq) == ([job_id], "1")
+    assert _acquire(server, wid, f"timeout=5&ack=1&gen={old}") == ([], "0")

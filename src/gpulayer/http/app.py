@@ -162,6 +162,18 @@ def _query_int(
     return value
 
 
+# Numbered deliveries (see Api.acquire): the first number in a reply, and the
+# registration the numbers belong to.
+_SEQ = "X-GPUlayer-Seq"
+_GENERATION = "X-GPUlayer-Generation"
+
+
+def _query_generation(request: Request) -> int | None:
+    if "gen" not in request.query_params:
+        return None
+    return _query_int(request, "gen", 0, high=(1 << 63) - 1)
+
+
 def _role(request: Request) -> str:
     role: str = request.scope[_CALLER][0]
     return role
@@ -385,7 +397,9 @@ class Api:
         role, token = request.scope[_CALLER]
         if role == auth.WORKER:
             self._owners[info.id] = token
-        return _json(info, 201)
+        response = _json(info, 201)
+        response.headers[_GENERATION] = str(self.plane.generation(info.id))
+        return response
 
     async def unregister(self, request: Request) -> Response:
         worker_id = request.path_params["worker_id"]
@@ -409,11 +423,12 @@ class Api:
         timeout = _query_float(request, "timeout", 30.0)
         numbered = "ack" in request.query_params
         ack: list[int | None] = [_query_int(request, "ack", 0) if numbered else None]
+        registration = _query_generation(request)
         opened: list[tuple[Delivery, bool, int]] = []
 
         def subscribe(callback: Callable[[], None]) -> Unsubscribe | None:
             delivery, unsubscribe, generation = self.plane.watch_worker(
-                worker_id, callback, numbered=numbered, ack=ack[0]
+                worker_id, callback, numbered=numbered, ack=ack[0], generation=registration
             )
             opened.append((delivery, unsubscribe is None, generation))
             return unsubscribe
@@ -438,13 +453,15 @@ class Api:
             # The worker's own finished report took them (see task_finished):
             # this poll waits on, acknowledging nothing more.
             ack[0] = None
-        return self._deliver(delivery, numbered)
+        return self._deliver(delivery, generation if numbered else None)
 
-    def _deliver(self, delivery: Delivery, numbered: bool) -> Response:
-        self.metrics.observe_dispatch(delivery.items, time.time())
+    def _deliver(self, delivery: Delivery, generation: int | None) -> Response:
+        """The reply: numbered (``generation`` given) or not."""
+        self.metrics.observe_dispatch(delivery.items[delivery.resent :], time.time())
         response = _json(delivery.items)
-        if numbered:
-            response.headers["X-GPUlayer-Seq"] = str(delivery.first)
+        if generation is not None:
+            response.headers[_SEQ] = str(delivery.first)
+            response.headers[_GENERATION] = str(generation)
         return response
 
     async def task_started(self, request: Request) -> Response:
@@ -477,13 +494,18 @@ class Api:
         self._check_owner(request, result.worker_id)
         take = _query_int(request, "take", 0, high=1)
         ack = _query_int(request, "ack", 0) if "ack" in request.query_params else None
+        registration = _query_generation(request)
         self.plane.task_finished(result, yield_to_waiters=False)
-        delivery = self.plane.take_delivery(result.worker_id, ack=ack) if take else None
+        delivery = None
+        if take:
+            # From an earlier registration of the worker: its numbers mean
+            # nothing now, and it takes nothing (None).
+            delivery = self.plane.take_delivery(result.worker_id, registration, ack=ack)
         # The waiting client's reply (and a next task's) go before this one.
         await asyncio.sleep(0)
         if not take:
             return _json([])
-        return self._deliver(delivery or Delivery(0, []), True)
+        return self._deliver(delivery or Delivery(0, []), registration or 0)
 
     # ---- admin and operations ----
 
@@ -531,12 +553,12 @@ def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: b
         (
             "POST",
             f"{v1}/workers/{{worker_id}}/acquire",
-            g(worker, api.acquire, ("timeout", "ack")),
+            g(worker, api.acquire, ("timeout", "ack", "gen")),
         ),
         ("POST", f"{v1}/tasks/started", g(worker, api.task_started)),
         ("POST", f"{v1}/tasks/logs", g(worker, api.task_logs)),
         ("POST", f"{v1}/tasks/rendezvous", g(worker, api.task_rendezvous)),
-        ("POST", f"{v1}/tasks/finished", g(worker, api.task_finished, ("take", "ack"))),
+        ("POST", f"{v1}/tasks/finished", g(worker, api.task_finished, ("take", "ack", "gen"))),
         ("POST", f"{v1}/blobs/missing", g(both, api.missing_blobs)),
         ("PUT", f"{v1}/blobs/{{digest:str}}", g(both, api.put_blob)),
         ("GET", f"{v1}/blobs/{{digest:str}}", g(both, api.get_blob)),

@@ -26,6 +26,7 @@ from .schemas import (
 INT64 = {"minimum": -(2**63), "maximum": 2**63 - 1}  # JSON bodies: integers fit in 64 bits
 _TIMEOUT = {"type": "number", "minimum": 0, "maximum": 60}
 _CURSOR = {"type": "integer", "minimum": 0, "maximum": 1 << 62}
+_GEN = {"type": "integer", "minimum": 0, "maximum": (1 << 63) - 1}
 _DIGEST = msgspec.json.schema(Digest)
 
 # (method, path, summary, request body type, response type, query parameters)
@@ -102,6 +103,11 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
                 "number the deliveries: the worker got every instruction up to this one; "
                 "later ones are sent again, and the X-GPUlayer-Seq header numbers the first",
             ),
+            "gen": (
+                _GEN,
+                "the registration the numbers belong to (the X-GPUlayer-Generation header of "
+                "the register reply); a poll of an earlier one gets nothing",
+            ),
         },
     ),
     ("post", "/api/v1/tasks/started", "A task's process started", TaskStarted, None, {}),
@@ -127,6 +133,7 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
                 "reply is (X-GPUlayer-Seq); else an empty list",
             ),
             "ack": (_CURSOR, "with take=1: as acquire's ack"),
+            "gen": (_GEN, "with take=1: as acquire's gen"),
         },
     ),
     (

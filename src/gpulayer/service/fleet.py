@@ -8,7 +8,9 @@ job along; a report from an attempt that already ended changes nothing.
 
 from __future__ import annotations
 
+import itertools
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -31,6 +33,10 @@ from .state import Delivery, LiveWorker, Running, failures
 
 
 class Fleet(PlaneCore):
+    # Registrations are numbered from the clock, so a restarted control
+    # plane never reuses an earlier one's numbers.
+    _generations = itertools.count(time.time_ns())
+
     # ---- workers -------------------------------------------------------
 
     def register_worker(
@@ -53,14 +59,19 @@ class Fleet(PlaneCore):
             lost: dict[str, Running] = {}
             gang_lost: list[str] = []  # tasks of jobs of several nodes it no longer has
             if worker is None:
-                worker = LiveWorker(info=info, free=set(range(len(info.slot_gpus))), inbox=deque())
+                worker = LiveWorker(
+                    info=info,
+                    free=set(range(len(info.slot_gpus))),
+                    inbox=deque(),
+                    generation=next(self._generations),
+                )
                 self._workers[info.id] = worker
             else:
                 worker.info, worker.connected, worker.closed = info, True, False
                 # Its previous process's long poll may still be open: end it
                 # empty-handed, and start afresh. Instructions not yet taken
                 # were for that process; what still holds is re-sent below.
-                worker.generation += 1
+                worker.generation = next(self._generations)
                 stale, worker.wake = worker.wake, Signal()
                 stale.fire()
                 worker.inbox.clear()
@@ -181,6 +192,12 @@ class Fleet(PlaneCore):
                 return []  # it registered again meanwhile: this poll is stale
             return self._drain(worker)
 
+    def generation(self, worker_id: str) -> int:
+        """The worker's registration: a number no earlier registration had,
+        here or before a restart."""
+        with self._lock:
+            return self._live(worker_id).generation
+
     def watch_worker(
         self,
         worker_id: str,
@@ -188,17 +205,21 @@ class Fleet(PlaneCore):
         *,
         numbered: bool = False,
         ack: int | None = None,
+        generation: int | None = None,
     ) -> tuple[Delivery, Unsubscribe | None, int]:
         """Instructions waiting for the worker, or a subscription for the next
         ones; and the worker's generation, for :meth:`take_delivery`.
 
         ``numbered`` deliveries are kept until acknowledged: ``ack`` says the
         worker got every one up to that number, and those after it are sent
-        again (the reply that carried them may have been lost).
+        again (the reply that carried them may have been lost). A poll of an
+        earlier ``generation`` (registration) gets nothing, at once.
         """
         with self._lock:
             worker = self._live(worker_id)
             worker.last_seen = self._clock()
+            if generation is not None and generation != worker.generation:
+                return Delivery(0, []), None, worker.generation
             resend = self._acknowledge(worker, ack) if numbered and ack is not None else []
             if resend or worker.inbox or worker.closed:
                 return self._deliver(worker, numbered, resend), None, worker.generation
@@ -248,7 +269,7 @@ class Fleet(PlaneCore):
         while len(worker.unacked) > defaults.UNACKED_MAX:  # a worker that never acknowledges
             worker.unacked.popleft()
         if resend:
-            return Delivery(resend[0][0], [item for _, item in resend] + items)
+            return Delivery(resend[0][0], [item for _, item in resend] + items, len(resend))
         return Delivery(first, items)
 
     def _live(self, worker_id: str) -> LiveWorker:

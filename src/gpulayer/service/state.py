@@ -25,6 +25,7 @@ class Delivery:
 
     first: int
     items: list[Instruction]
+    resent: int = 0  # the first ones were sent before (their reply may have been lost)
 
 
 @dataclass

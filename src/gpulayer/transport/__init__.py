@@ -98,10 +98,11 @@ class Transport(abc.ABC):
     ) -> None: ...
 
     @abc.abstractmethod
-    def task_finished(self, result: TaskResult) -> list[Instruction]:
+    def task_finished(self, result: TaskResult, *, take: bool = True) -> list[Instruction]:
         """Report a task's end; returns instructions for the reporting worker
         that came with the reply (a server sends its next task this way), to
-        act on as on those from :meth:`acquire`."""
+        act on as on those from :meth:`acquire`. With ``take=False`` (a
+        worker that is stopping), none come."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the default holds none."""

@@ -65,7 +65,8 @@ class _Received:
     each is handed on once: the first time its number is seen.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, generation: str | None = None) -> None:
+        self.generation = generation  # the registration the numbers belong to
         self.acked = 0  # got every one up to this number
         self._ahead: set[int] = set()  # and these, past a gap
         self._lock = threading.Lock()
@@ -361,9 +362,12 @@ class HttpTransport(Transport):
         self, info: WorkerInfo, running: Iterable[tuple[str, int]] = ()
     ) -> WorkerInfo:
         body = _encode({"worker": info, "running": [list(r) for r in running]})
-        registered = self._call("POST", "/api/v1/workers", WorkerInfo, body=body)
+        with self._exchange("POST", "/api/v1/workers", body=body) as response:
+            registered = msgspec.json.decode(response.read(), type=WorkerInfo)
+            generation = response.getheader("X-GPUlayer-Generation")
         self.worker_id = registered.id
-        self._received = _Received()  # the server numbers a registration's deliveries afresh
+        # The server numbers each registration's deliveries afresh.
+        self._received = _Received(generation)
         return registered
 
     def unregister_worker(self, worker_id: str) -> None:
@@ -379,20 +383,29 @@ class HttpTransport(Transport):
         return self._instructions(
             f"/api/v1/workers/{_q(worker_id)}/acquire",
             None,
-            {"timeout": f"{timeout:.3f}", "ack": self._received.acked},
+            {"timeout": f"{timeout:.3f}"},
             wait=timeout,
             retry=False,
         )
 
     def _instructions(
-        self, path: str, body: bytes | None, query: Mapping[str, Any], **kwargs: Any
+        self, path: str, body: bytes | None, query: dict[str, Any], **kwargs: Any
     ) -> list[Instruction]:
-        """A numbered delivery of instructions; those not seen before, in order."""
+        """A numbered delivery of instructions; those not seen before."""
+        received = self._received
+        query["ack"] = received.acked
+        if received.generation:
+            query["gen"] = received.generation
         with self._exchange("POST", path, query=query, body=body, **kwargs) as response:
             raw = response.read()
             first = response.getheader("X-GPUlayer-Seq")
+            generation = response.getheader("X-GPUlayer-Generation")
         items = msgspec.json.decode(raw, type=list[Instruction])
-        return self._received.accept(int(first), items) if first else items
+        if not first:
+            return items  # a server that does not number them
+        if generation != received.generation or received is not self._received:
+            return []  # for an earlier registration of this worker: void
+        return received.accept(int(first), items)
 
     def task_started(self, report: TaskStarted) -> None:
         self._post("/api/v1/tasks/started", report)
@@ -409,12 +422,13 @@ class HttpTransport(Transport):
             batch["node"] = node
         self._post("/api/v1/tasks/logs", batch)
 
-    def task_finished(self, result: TaskResult) -> list[Instruction]:
+    def task_finished(self, result: TaskResult, *, take: bool = True) -> list[Instruction]:
         # The reply brings what waits for this worker: in a stream of short
         # jobs, its next task, one long poll reply fewer per job.
-        return self._instructions(
-            "/api/v1/tasks/finished", _encode(result), {"take": 1, "ack": self._received.acked}
-        )
+        if not take:
+            self._post("/api/v1/tasks/finished", result)
+            return []
+        return self._instructions("/api/v1/tasks/finished", _encode(result), {"take": 1})
 
     def local_address(self) -> str:
         """This machine's address on the route to the server (no packet is sent)."""

@@ -92,6 +92,6 @@ class InProcessTransport(Transport):
     def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
         self.plane.append_logs(job_id, attempt, lines, node)
 
-    def task_finished(self, result: TaskResult) -> list[Instruction]:
+    def task_finished(self, result: TaskResult, *, take: bool = True) -> list[Instruction]:
         self.plane.task_finished(result)
         return []  # in-process, the worker's long poll costs nothing: it brings them

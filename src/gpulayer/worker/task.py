@@ -37,7 +37,7 @@ from pathlib import Path
 from .. import defaults
 from ..artifacts import ArtifactStore
 from ..errors import ServerUnreachable
-from ..jobs import Instruction, Outcome, RunTask, TaskResult, TaskStarted
+from ..jobs import Outcome, RunTask, TaskResult, TaskStarted
 from ..spec import ArtifactRef
 from ..transport import Transport
 from .gpus import Vendor, visible_devices_env
@@ -75,7 +75,7 @@ class TaskRun:
         on_done: Callable[[TaskRun], None],
         on_spawned: Callable[[TaskRun, list[tuple[int, float | None]]], None] | None = None,
         report: Callable[[Callable[[], None]], None] = lambda deliver: deliver(),
-        on_instructions: Callable[[list[Instruction]], None] = lambda instructions: None,
+        finish: Callable[[TaskResult], object] | None = None,
         defer_started: float | None = None,
         interface: str | None = None,
     ) -> None:
@@ -93,7 +93,9 @@ class TaskRun:
         self.on_spawned = on_spawned  # told each process's (pid, start time) once started
         self.interface = interface  # where ranks of a job of several nodes talk (launch.py)
         self.report = report  # delivers a report now, or later if the server is away
-        self.on_instructions = on_instructions  # what came with the finished report's reply
+        # Reports the result (and acts on what the reply brings); by default
+        # the transport's report alone.
+        self.finish = finish or transport.task_finished
         # Over a network, a task's start is reported only once it has run this
         # long (a short task's start goes with its end: one request fewer).
         # In-process it is reported at once: the pid in the store is what lets
@@ -200,8 +202,12 @@ class TaskRun:
         self.logs.close_task(tasklog)
         if tasklog.pending:  # the server is away: its last lines go before its result
             self.report(lambda: self.logs.deliver_rest(tasklog))
+
+        def deliver() -> None:
+            self.finish(result)
+
         try:
-            self.report(lambda: self.on_instructions(self.transport.task_finished(result)))
+            self.report(deliver)
         finally:
             self.on_done(self)
 

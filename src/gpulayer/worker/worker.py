@@ -103,6 +103,10 @@ class Worker:
         # for the next one on this home to end if it dies (see ledger.py).
         self._ledger = Ledger(work_dir) if ledger else None
         self._interface: str | None = None  # of its advertised address (launch.py)
+        # Held while registering again, and while a finished report's reply
+        # is acted on (see _finish); re-entrant: a task handed back as the
+        # worker stops is reported from inside _finish.
+        self._registering = threading.RLock()
         # Cancels and master ports that came before their task (see _handle).
         self._early: dict[tuple[str, int], list[Instruction]] = {}
 
@@ -183,28 +187,40 @@ class Worker:
         elif isinstance(instruction, Rendezvous):
             run.set_master_port(instruction.master_port)
 
+    def _finish(self, result: TaskResult) -> None:
+        """Report a task's end, and act on what the reply brings (its next task).
+
+        Not while the worker registers again: the tasks it names as running
+        must include one that came this way, or the server gives it up.
+        A stopping worker takes nothing: it would only hand it back.
+        """
+        with self._registering:
+            take = not self._stopping.is_set()
+            self._handle(self.transport.task_finished(result, take=take))
+
     def _reregister(self) -> None:
+        """Register again (the server restarted, or gave us up), naming the
+        tasks still running. Only the acquire loop does this."""
         # Results kept while the server was away go first: a task that ended
         # meanwhile must be reported finished, not missing.
         self._outbox.flush(timeout=defaults.RECONNECT_MAX_S)
-        with self._tasks_lock:
-            running = [run.key for run in self._tasks.values()]
-        try:
-            self.info = self.transport.register_worker(self.info, running)
-            log.warning(
-                "worker %s: registered again with %d running task(s)", self.info.id, len(running)
-            )
-        except ServerUnreachable:
-            pass  # the acquire loop backs off and tries again
+        with self._registering:
+            with self._tasks_lock:
+                running = [run.key for run in self._tasks.values()]
+            try:
+                self.info = self.transport.register_worker(self.info, running)
+            except ServerUnreachable:
+                return  # the acquire loop backs off and tries again
+        log.warning(
+            "worker %s: registered again with %d running task(s)", self.info.id, len(running)
+        )
 
     def _heartbeat_loop(self, interval: float) -> None:
         while not self._stopping.wait(interval):
             try:
                 self.transport.heartbeat(self.info.id)
-            except InvalidStateError:
-                self._reregister()
-            except ServerUnreachable:
-                pass  # reconnecting is the acquire loop's job
+            except (InvalidStateError, ServerUnreachable):
+                pass  # reconnecting and registering again are the acquire loop's job
             except Exception:
                 log.exception("worker %s: heartbeat failed", self.info.id)
 
@@ -220,7 +236,7 @@ class Worker:
                 outcome="lost",
                 node=task.node,
             )
-            self._outbox.send(lambda: self._handle(self.transport.task_finished(result)))
+            self._outbox.send(lambda: self._finish(result))
             return
         with self._tasks_lock:
             task_dir = self._spares.pop() if self._spares else self._new_dir()
@@ -239,7 +255,7 @@ class Worker:
             on_spawned=None if self._ledger is None else self._task_spawned,
             interface=self._interface,
             report=self._outbox.send,
-            on_instructions=self._handle,
+            finish=self._finish,
             defer_started=defaults.REPORT_STARTED_AFTER_S if self.heartbeat_interval else None,
         )
         with self._tasks_lock:
