@@ -264,7 +264,9 @@ class Fleet:
                         "outcome": "exited",
                         "exit_code": 0,
                     }
-                    await conn.call("POST", "/api/v1/tasks/finished", result, expect=204)
+                    await conn.call(
+                        "POST", "/api/v1/tasks/finished", result, expect=200
+                    )  # plain: []
         except asyncio.CancelledError:
             raise
         except Exception as exc:
