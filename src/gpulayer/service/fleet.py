@@ -391,14 +391,33 @@ class Fleet(PlaneCore):
             if signal is not None:
                 signal.fire()
 
+    def _give_back(self, job_id: str, now: float) -> None:
+        """A task its worker never ran: queued again, and not an attempt."""
+        run = self._release(job_id)
+        run.attempt -= 1
+        self._requeue(job_id, run)
+        with self.store.transaction() as tx:
+            tx.requeue(job_id, reason=None, owner=self.instance_id)
+            assignments = self._plan()
+            self._record(tx, assignments, now)
+        self._dispatch(assignments, now)
+
     def task_finished(self, result: TaskResult, *, yield_to_waiters: bool = True) -> None:
         now = self._clock()
         with self._lock:
             run = self._running.get(result.job_id)
             if run is None or run.attempt != result.attempt:
                 return  # already ended (e.g. declared lost); never apply twice
+            if result.outcome == "returned":
+                # Its worker is stopping: place nothing more on it.
+                worker = self._workers.get(result.worker_id)
+                if worker is not None:
+                    worker.closed = True
             if len(run.tasks) == 1:
                 if run.worker_id != result.worker_id:
+                    return
+                if result.outcome == "returned" and not run.cancel_requested:
+                    self._give_back(result.job_id, now)
                     return
                 final = self._conclude(result.job_id, run, result, now)
             else:

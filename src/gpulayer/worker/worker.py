@@ -228,12 +228,12 @@ class Worker:
         return self.tasks_dir / f"task-{next(self._dir_numbers)}"
 
     def _start_task(self, task: RunTask, acquired: float) -> None:
-        if self._stopping.is_set():  # placed as we stopped: hand it back at once
+        if self._stopping.is_set():  # placed as we stopped: hand it back, unrun
             result = TaskResult(
                 job_id=task.job_id,
                 attempt=task.attempt,
                 worker_id=self.info.id,
-                outcome="lost",
+                outcome="returned",
                 node=task.node,
             )
             self._outbox.send(lambda: self._finish(result))
