@@ -52,7 +52,7 @@ class TaskLog:
                 # bounded time. A sender that cannot deliver gets no wait.
                 sender.urgent = True
                 sender.cond.notify_all()
-                if not sender.cond.wait_for(
+                if not sender.room.wait_for(
                     lambda: len(self.pending) < sender.max_lines or not sender.healthy,
                     timeout=sender.backpressure,
                 ):
@@ -98,7 +98,11 @@ class LogSender:
         self.interval = interval
         self.max_lines = max_lines
         self.backpressure = backpressure
-        self.cond = threading.Condition()
+        lock = threading.RLock()
+        self.cond = threading.Condition(lock)  # the sender thread waits on it for lines
+        # Readers held back by a full buffer wait on this one (same lock), so
+        # the room every task's last send makes wakes nobody else.
+        self.room = threading.Condition(lock)
         self.dirty = False
         self.urgent = False  # a buffer is filling: do not wait out the interval
         self.healthy = True  # the last delivery succeeded
@@ -143,7 +147,7 @@ class LogSender:
         with task._send_lock:
             with self.cond:
                 lines = task.take()
-                self.cond.notify_all()  # room again for a reader held back
+                self.room.notify_all()  # room again for a reader held back
             if lines:
                 self._deliver(task, lines)
 
@@ -173,6 +177,7 @@ class LogSender:
                 task.pending.extendleft(reversed(lines[-self.max_lines :]))
                 self.dirty = True
                 self.cond.notify_all()
+                self.room.notify_all()  # readers wait no more for a sender that cannot send
 
     def _run(self) -> None:
         while True:
