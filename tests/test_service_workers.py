@@ -47,3 +47,31 @@ def test_waiting_on_a_job_that_just_ended_reads_no_store(tmp_path: Path) -> None
         assert (final.state, final.exit_code) == ("succeeded", 0)
     finally:
         store.close()
+
+
+def test_a_stopping_worker_gets_no_more_work_and_gives_back_what_it_never_ran(
+    tmp_path: Path,
+) -> None:
+    from gpulayer.jobs import RunTask
+    from gpulayer.spec import parse_spec
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    try:
+        plane = ControlPlane(store, instance_id="test")
+        info = WorkerInfo(id="", name="w", host="h", slot_gpus=[None, None])
+        wid = plane.register_worker(info).id
+        spec = parse_spec({"command": ["x"]})  # max_retries 0: a lost attempt would end it
+        placed = plane.submit(spec)
+        (task,) = plane.take_instructions(wid)  # on its way to the worker...
+        assert isinstance(task, RunTask) and task.job_id == placed.id
+        plane.heartbeat(wid, stopping=True)  # ...which says it is stopping
+        waiting = plane.submit(spec)
+        assert plane.get(waiting.id).state == "queued"  # its free slot takes nothing now
+        # It leaves having never started the task: no attempt is spent.
+        plane.unregister_worker(wid, said=True)
+        assert plane.get(placed.id).state == "queued"
+        other = plane.register_worker(WorkerInfo(id="", name="o", host="o", slot_gpus=[None])).id
+        (again,) = plane.take_instructions(other)
+        assert isinstance(again, RunTask) and (again.job_id, again.attempt) == (placed.id, 1)
+    finally:
+        store.close()

@@ -404,14 +404,14 @@ class Api:
     async def unregister(self, request: Request) -> Response:
         worker_id = request.path_params["worker_id"]
         self._check_owner(request, worker_id)
-        self.plane.unregister_worker(worker_id)
+        self.plane.unregister_worker(worker_id, said=True)
         self._owners.pop(worker_id, None)
         return Response(status_code=204)
 
     async def heartbeat(self, request: Request) -> Response:
-        await _body(request, HeartbeatRequest)
+        beat = await _body(request, HeartbeatRequest)
         self._check_owner(request, request.path_params["worker_id"])
-        self.plane.heartbeat(request.path_params["worker_id"])
+        self.plane.heartbeat(request.path_params["worker_id"], stopping=beat.stopping)
         return Response(status_code=204)
 
     async def acquire(self, request: Request) -> Response:

@@ -28,6 +28,7 @@ class RegisterRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 class HeartbeatRequest(msgspec.Struct, forbid_unknown_fields=True):
     running: list[tuple[str, int]] = []
+    stopping: bool = False  # the worker is stopping: place nothing more on it
 
 
 class LogBatch(msgspec.Struct, forbid_unknown_fields=True):

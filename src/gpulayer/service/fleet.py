@@ -131,10 +131,15 @@ class Fleet(PlaneCore):
                 worker.wake.fire()
         return info
 
-    def heartbeat(self, worker_id: str) -> None:
-        """A worker is alive (any request from it counts as one too)."""
+    def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
+        """A worker is alive (any request from it counts as one too). A
+        ``stopping`` one gets no more work: its long poll ends."""
         with self._lock:
-            self._live(worker_id).last_seen = self._clock()
+            worker = self._live(worker_id)
+            worker.last_seen = self._clock()
+            if stopping:
+                worker.closed = True
+                worker.wake.fire()
 
     def reap(self, timeout: float) -> list[str]:
         """Declare lost the workers silent for ``timeout`` seconds; their ids."""
@@ -149,8 +154,15 @@ class Fleet(PlaneCore):
             )
         return [w.info.id for w in silent]
 
-    def unregister_worker(self, worker_id: str, reason: str = "its worker stopped") -> None:
-        """Detach a worker; jobs it still runs are retried or end lost."""
+    def unregister_worker(
+        self, worker_id: str, reason: str = "its worker stopped", *, said: bool = False
+    ) -> None:
+        """Detach a worker; jobs it still runs are retried or end lost.
+
+        A worker that ``said`` goodbye ended and reported everything it ran
+        first: a job placed on it that it never started (its reply was on
+        the way) is queued again, not counted as an attempt.
+        """
         with self._lock:
             worker = self._workers.pop(worker_id, None)
             if worker is None:
@@ -165,7 +177,12 @@ class Fleet(PlaneCore):
             lost = {job_id: self._release(job_id) for job_id in list(worker.running)}
             with self.store.transaction() as tx:
                 for job_id, run in lost.items():
-                    self._end_lost(tx, run, job_id, reason, now)
+                    if said and not run.tasks[0].started and not run.cancel_requested:
+                        run.attempt -= 1
+                        self._requeue(job_id, run)
+                        tx.requeue(job_id, reason=None, owner=self.instance_id)
+                    else:
+                        self._end_lost(tx, run, job_id, reason, now)
                 assignments = self._plan()
                 tx.delete_worker(worker_id)
                 self._record(tx, assignments, now)

@@ -77,7 +77,8 @@ class Transport(abc.ABC):
         """Register, or re-attach with the tasks (job id, attempt) still running here."""
 
     @abc.abstractmethod
-    def heartbeat(self, worker_id: str) -> None: ...
+    def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
+        """The worker is alive; a ``stopping`` one takes no more work."""
 
     @abc.abstractmethod
     def unregister_worker(self, worker_id: str) -> None: ...

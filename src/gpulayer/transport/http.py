@@ -374,9 +374,12 @@ class HttpTransport(Transport):
         with self._exchange("DELETE", f"/api/v1/workers/{_q(worker_id)}") as response:
             response.read()
 
-    def heartbeat(self, worker_id: str) -> None:
+    def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
         # Retried: the server may have closed an idle keep-alive connection.
-        self._post(f"/api/v1/workers/{_q(worker_id)}/heartbeat", {"running": []})
+        body: dict[str, object] = {"running": []}
+        if stopping:
+            body["stopping"] = True
+        self._post(f"/api/v1/workers/{_q(worker_id)}/heartbeat", body)
 
     def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
         timeout = min(timeout, 60.0)

@@ -74,11 +74,11 @@ class InProcessTransport(Transport):
     ) -> WorkerInfo:
         return self.plane.register_worker(info, running)
 
-    def heartbeat(self, worker_id: str) -> None:
-        self.plane.heartbeat(worker_id)
+    def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
+        self.plane.heartbeat(worker_id, stopping=stopping)
 
     def unregister_worker(self, worker_id: str) -> None:
-        self.plane.unregister_worker(worker_id)
+        self.plane.unregister_worker(worker_id, said=True)
 
     def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
         return self.plane.acquire(worker_id, timeout)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .. import defaults
 from ..artifacts import ArtifactStore
-from ..errors import InvalidStateError, ServerUnreachable, WorkerError
+from ..errors import GPUlayerError, InvalidStateError, ServerUnreachable, WorkerError
 from ..jobs import CancelTask, Instruction, Rendezvous, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
 from .gpus import Gpu, detect_gpus
@@ -292,6 +292,9 @@ class Worker:
     def stop(self, timeout: float | None = None) -> None:
         """End running tasks (reported lost), then leave the control plane."""
         self._stopping.set()
+        if self.info.id:  # first, so nothing more is placed here while the tasks end
+            with contextlib.suppress(GPUlayerError):  # not heard: handed back (see _start_task)
+                self.transport.heartbeat(self.info.id, stopping=True)
         with self._tasks_lock:
             runs = list(self._tasks.values())
         for run in runs:
