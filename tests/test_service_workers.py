@@ -49,7 +49,7 @@ def test_waiting_on_a_job_that_just_ended_reads_no_store(tmp_path: Path) -> None
         store.close()
 
 
-def test_a_stopping_worker_gets_no_more_work_and_gives_back_what_it_never_ran(
+def test_a_stopping_worker_gets_no_more_work_and_what_it_never_took_is_not_an_attempt(
     tmp_path: Path,
 ) -> None:
     from gpulayer.jobs import RunTask
@@ -60,18 +60,73 @@ def test_a_stopping_worker_gets_no_more_work_and_gives_back_what_it_never_ran(
         plane = ControlPlane(store, instance_id="test")
         info = WorkerInfo(id="", name="w", host="h", slot_gpus=[None, None])
         wid = plane.register_worker(info).id
-        spec = parse_spec({"command": ["x"]})  # max_retries 0: a lost attempt would end it
-        placed = plane.submit(spec)
-        (task,) = plane.take_instructions(wid)  # on its way to the worker...
-        assert isinstance(task, RunTask) and task.job_id == placed.id
-        plane.heartbeat(wid, stopping=True)  # ...which says it is stopping
+        spec = parse_spec({"command": ["x"]})  # max_retries 0: a lost attempt ends the job
+        taken = plane.submit(spec)
+        (task,) = plane.take_instructions(wid)  # the worker took this one...
+        assert isinstance(task, RunTask) and task.job_id == taken.id
+        untaken = plane.submit(spec)  # ...not this one, still in its inbox
+        plane.heartbeat(wid, stopping=True)  # it says it is stopping
         waiting = plane.submit(spec)
-        assert plane.get(waiting.id).state == "queued"  # its free slot takes nothing now
-        # It leaves having never started the task: no attempt is spent.
+        assert plane.get(waiting.id).state == "queued"  # its free slots take nothing now
         plane.unregister_worker(wid, said=True)
-        assert plane.get(placed.id).state == "queued"
+        # The one it took may have run (a start is reported late over HTTP):
+        # lost. The one it never saw is queued again, no attempt spent.
+        assert plane.get(taken.id).state == "lost"
+        assert plane.get(untaken.id).state == "queued"
         other = plane.register_worker(WorkerInfo(id="", name="o", host="o", slot_gpus=[None])).id
         (again,) = plane.take_instructions(other)
-        assert isinstance(again, RunTask) and (again.job_id, again.attempt) == (placed.id, 1)
+        assert isinstance(again, RunTask) and (again.job_id, again.attempt) == (untaken.id, 1)
+        assert store.get_job(untaken.id).attempt == 1  # type: ignore[union-attr]
     finally:
+        store.close()
+
+
+def _placed_and_taken(plane: ControlPlane, **spec: object) -> tuple[str, str]:
+    """A job placed on a worker, which took it: (job id, worker id)."""
+    from gpulayer.spec import parse_spec
+
+    wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+    job = plane.submit(parse_spec({"command": ["x"], **spec}))
+    assert plane.take_instructions(wid)
+    return job.id, wid
+
+
+def test_a_job_given_back_keeps_its_attempts_across_a_restart(tmp_path: Path) -> None:
+    from gpulayer.jobs import RunTask, TaskResult
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    try:
+        plane = ControlPlane(store, instance_id="dead")
+        job_id, wid = _placed_and_taken(plane, max_retries=1)
+        plane.heartbeat(wid, stopping=True)
+        plane.task_finished(TaskResult(job_id=job_id, attempt=1, worker_id=wid, outcome="returned"))
+        # The control plane dies; its successor finds the job queued, no attempt spent.
+        successor = ControlPlane(store, instance_id="successor")
+        successor.recover("dead", workers_outlive=True)
+        other = successor.register_worker(WorkerInfo(id="", name="o", host="o", slot_gpus=[None]))
+        (task,) = successor.take_instructions(other.id)
+        assert isinstance(task, RunTask) and task.attempt == 1
+        failed = TaskResult(
+            job_id=job_id, attempt=1, worker_id=other.id, outcome="exited", exit_code=1
+        )
+        successor.task_finished(failed)
+        assert successor.get(job_id).state == "running"  # its one retry, still owed
+    finally:
+        store.close()
+
+
+def test_a_job_cancelled_by_another_process_and_given_back_ends_cancelled(tmp_path: Path) -> None:
+    from gpulayer.jobs import TaskResult
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    other_store = SqliteStore(tmp_path / "db.sqlite")  # another process on the same home
+    try:
+        plane = ControlPlane(store, instance_id="owner")
+        job_id, wid = _placed_and_taken(plane)
+        ControlPlane(other_store, instance_id="other").cancel(job_id)  # only in the store
+        plane.heartbeat(wid, stopping=True)
+        plane.task_finished(TaskResult(job_id=job_id, attempt=1, worker_id=wid, outcome="returned"))
+        assert plane.get(job_id).state == "cancelled"
+    finally:
+        other_store.close()
         store.close()

@@ -120,7 +120,7 @@ class Fleet(PlaneCore):
                     else:  # placed, but it never reached the worker: not an attempt
                         run.attempt -= 1
                         self._requeue(job_id, run)
-                        tx.requeue(job_id, reason=None, owner=self.instance_id)
+                        tx.requeue(job_id, reason=None, owner=self.instance_id, attempt=run.attempt)
                 tx.upsert_worker(info)
                 assignments = self._plan()
                 self._record(tx, assignments, now)
@@ -159,9 +159,9 @@ class Fleet(PlaneCore):
     ) -> None:
         """Detach a worker; jobs it still runs are retried or end lost.
 
-        A worker that ``said`` goodbye ended and reported everything it ran
-        first: a job placed on it that it never started (its reply was on
-        the way) is queued again, not counted as an attempt.
+        A worker that ``said`` goodbye (unregistered itself) never saw a job
+        still waiting in its inbox: that one is queued again, not counted
+        as an attempt.
         """
         with self._lock:
             worker = self._workers.pop(worker_id, None)
@@ -175,12 +175,20 @@ class Fleet(PlaneCore):
                 self._node_lost(job_id, worker_id, reason, now)
             worker.running.difference_update(gangs)
             lost = {job_id: self._release(job_id) for job_id in list(worker.running)}
+            # Never handed to it (still in its inbox): never ran, not an
+            # attempt. One it took but never reported started may have run
+            # (starts are reported late over HTTP): that one was lost.
+            unrun = {
+                job_id
+                for job_id, run in lost.items()
+                if said and not run.tasks[0].delivered and not self._cancel_asked(job_id, run)
+            }
             with self.store.transaction() as tx:
                 for job_id, run in lost.items():
-                    if said and not run.tasks[0].started and not run.cancel_requested:
+                    if job_id in unrun:
                         run.attempt -= 1
                         self._requeue(job_id, run)
-                        tx.requeue(job_id, reason=None, owner=self.instance_id)
+                        tx.requeue(job_id, reason=None, owner=self.instance_id, attempt=run.attempt)
                     else:
                         self._end_lost(tx, run, job_id, reason, now)
                 assignments = self._plan()
@@ -408,17 +416,6 @@ class Fleet(PlaneCore):
             if signal is not None:
                 signal.fire()
 
-    def _give_back(self, job_id: str, now: float) -> None:
-        """A task its worker never ran: queued again, and not an attempt."""
-        run = self._release(job_id)
-        run.attempt -= 1
-        self._requeue(job_id, run)
-        with self.store.transaction() as tx:
-            tx.requeue(job_id, reason=None, owner=self.instance_id)
-            assignments = self._plan()
-            self._record(tx, assignments, now)
-        self._dispatch(assignments, now)
-
     def task_finished(self, result: TaskResult, *, yield_to_waiters: bool = True) -> None:
         now = self._clock()
         with self._lock:
@@ -433,8 +430,8 @@ class Fleet(PlaneCore):
             if len(run.tasks) == 1:
                 if run.worker_id != result.worker_id:
                     return
-                if result.outcome == "returned" and not run.cancel_requested:
-                    self._give_back(result.job_id, now)
+                if result.outcome == "returned" and not self._cancel_asked(result.job_id, run):
+                    self._give_back(result.job_id, run, now)
                     return
                 final = self._conclude(result.job_id, run, result, now)
             else:

@@ -74,7 +74,11 @@ class Transaction(abc.ABC):
         """The master port node 0 of a distributed job reserved (kept with node 0's task)."""
 
     @abc.abstractmethod
-    def requeue(self, job_id: str, *, reason: str | None, owner: str) -> None: ...
+    def requeue(
+        self, job_id: str, *, reason: str | None, owner: str, attempt: int | None = None
+    ) -> None:
+        """Queue a job again; ``attempt``, if given, is the attempts it has made
+        (one placement did not count)."""
 
     @abc.abstractmethod
     def request_cancel(self, job_id: str) -> None: ...

@@ -202,12 +202,15 @@ class _SqliteTransaction(Transaction):
             (port, job_id),
         )
 
-    def requeue(self, job_id: str, *, reason: str | None, owner: str) -> None:
+    def requeue(
+        self, job_id: str, *, reason: str | None, owner: str, attempt: int | None = None
+    ) -> None:
         # Marks after 'submitted' describe the attempt that ended; start afresh.
         self.db.execute(
             "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, pid_created=NULL, tasks=NULL, owner=?, "
-            "reason=?, marks=json_object('submitted', json_extract(marks, '$.submitted')) WHERE id=?",
-            (owner, reason, job_id),
+            "reason=?, attempt=COALESCE(?, attempt), "
+            "marks=json_object('submitted', json_extract(marks, '$.submitted')) WHERE id=?",
+            (owner, reason, attempt, job_id),
         )
 
     def cancel_queued(self, job_id: str, at: float) -> bool:

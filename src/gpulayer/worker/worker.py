@@ -39,6 +39,9 @@ from .workspace import make_spare, reuse_if_empty
 log = logging.getLogger(__name__)
 
 _EARLY_MAX = 1024  # instructions kept for tasks not (yet) here
+# How long a stopping worker waits for its acquire loop to end (its long poll
+# ends as the server hears it is stopping; longer only if it did not hear).
+_LOOP_END_S = 5.0
 
 
 class Worker:
@@ -295,6 +298,9 @@ class Worker:
         if self.info.id:  # first, so nothing more is placed here while the tasks end
             with contextlib.suppress(GPUlayerError):  # not heard: handed back (see _start_task)
                 self.transport.heartbeat(self.info.id, stopping=True)
+        if self._thread is not None:
+            # Its long poll ends now; what that brought is handed back first.
+            self._thread.join(_LOOP_END_S if timeout is None else min(timeout, _LOOP_END_S))
         with self._tasks_lock:
             runs = list(self._tasks.values())
         for run in runs:
@@ -313,5 +319,3 @@ class Worker:
                 self._ledger.close()
         # Else a task outlived the wait: its folder and the ledger stay, for
         # the next worker on this home to end what is left and tidy up.
-        if self._thread is not None:
-            self._thread.join(timeout)
