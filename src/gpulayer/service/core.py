@@ -147,9 +147,6 @@ class PlaneCore:
         if failed and result.outcome != "cancelled" and len(failures(run)) == 1:
             self._cancel_tasks(job_id, run)
         if all(t.ended for t in run.tasks):
-            if _given_back(run) and not self._cancel_asked(job_id, run):
-                self._give_back(job_id, run, now)
-                return False
             return self._conclude(job_id, run, decisive(run), now)
         # Kept, so that a restarted server knows this node is done and how;
         # and its slots are free: something else may fit now.
@@ -161,16 +158,35 @@ class PlaneCore:
         return False
 
     def _give_back(self, job_id: str, run: Running, now: float) -> None:
-        """A job its workers never ran (given back as they stopped): queued
-        again, and not counted as an attempt."""
+        """A job its worker never ran (given back as it stopped): queued
+        again, and not counted as an attempt; unless it is being cancelled.
+
+        Only for a job of one node: its worker takes no more work, so the
+        attempt number, used again, cannot meet the old task on a worker.
+        """
         self._release(job_id)
         run.attempt -= 1
-        self._requeue(job_id, run)
         with self.store.transaction() as tx:
-            tx.requeue(job_id, reason=None, owner=self.instance_id, attempt=run.attempt)
+            # Read in the transaction: another process on this home may have
+            # asked for a cancel an instant ago.
+            cancelled = tx.cancel_requested(job_id)
+            if cancelled:
+                tx.finish(
+                    job_id,
+                    state=jobs.CANCELLED,
+                    exit_code=None,
+                    reason="cancelled",
+                    marks={"finished": now},
+                    outputs={},
+                )
+            else:
+                self._requeue(job_id, run)
+                tx.requeue(job_id, reason=None, owner=self.instance_id, attempt=run.attempt)
             assignments = self._plan()
             self._record(tx, assignments, now)
         self._dispatch(assignments, now)
+        if cancelled:
+            self._signal_done(job_id)
 
     def _cancel_asked(self, job_id: str, run: Running) -> bool:
         """Whether the job is being cancelled, here or by another process on
@@ -349,11 +365,3 @@ class PlaneCore:
         logs = self._logs.pop(job_id, None)
         if logs is not None:
             logs.fire()
-
-
-def _given_back(run: Running) -> bool:
-    """A job of several nodes none of which ran: one was given back unrun by
-    its stopping worker, and the others were cancelled before they started."""
-    return any(r.outcome == "returned" for r in run.results) and all(
-        r.outcome in ("returned", "cancelled") and "started" not in r.marks for r in run.results
-    )

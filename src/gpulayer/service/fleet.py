@@ -185,6 +185,9 @@ class Fleet(PlaneCore):
             }
             with self.store.transaction() as tx:
                 for job_id, run in lost.items():
+                    if job_id in unrun and tx.cancel_requested(job_id):
+                        run.cancel_requested = True  # another process, an instant ago
+                        unrun.discard(job_id)
                     if job_id in unrun:
                         run.attempt -= 1
                         self._requeue(job_id, run)

@@ -66,6 +66,10 @@ class Transaction(abc.ABC):
     ) -> None: ...
 
     @abc.abstractmethod
+    def cancel_requested(self, job_id: str) -> bool:
+        """Whether a cancel was asked for (by any process on this home)."""
+
+    @abc.abstractmethod
     def task_ended(self, job_id: str, node: int, result: TaskResult) -> None:
         """One node of a distributed job ended while others run on."""
 

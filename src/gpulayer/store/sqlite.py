@@ -101,6 +101,10 @@ class _SqliteTransaction(Transaction):
             ),
         )
 
+    def cancel_requested(self, job_id: str) -> bool:
+        row = self.db.execute("SELECT cancel_requested FROM jobs WHERE id=?", (job_id,)).fetchone()
+        return bool(row and row[0])
+
     def place(
         self,
         job_id: str,

@@ -283,7 +283,8 @@ class Worker:
         if spare != run.dir:
             shutil.rmtree(run.dir, ignore_errors=True)
         with self._tasks_lock:
-            self._tasks.pop(run.key, None)
+            if self._tasks.get(run.key) is run:  # not a newer task of the same key
+                del self._tasks[run.key]
             if spare is not None:
                 self._spares.append(spare)
             self._idle.notify_all()
