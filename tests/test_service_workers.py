@@ -162,3 +162,22 @@ def test_a_cancel_from_another_process_an_instant_before_a_give_back_holds(
     finally:
         other_store.close()
         store.close()
+
+
+def test_a_job_cancelled_elsewhere_ends_cancelled_when_its_worker_leaves(tmp_path: Path) -> None:
+    from gpulayer.spec import parse_spec
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    other_store = SqliteStore(tmp_path / "db.sqlite")
+    try:
+        plane = ControlPlane(store, instance_id="owner")
+        wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+        job = plane.submit(parse_spec({"command": ["x"], "max_retries": 2}))  # never taken
+        ControlPlane(other_store, instance_id="other").cancel(job.id)  # only in the store
+        plane.unregister_worker(wid, said=True)
+        assert plane.get(job.id).state == "cancelled"
+        idle = plane.register_worker(WorkerInfo(id="", name="i", host="i", slot_gpus=[None])).id
+        assert plane.take_instructions(idle) == []  # not retried
+    finally:
+        other_store.close()
+        store.close()

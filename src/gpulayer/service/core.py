@@ -327,7 +327,10 @@ class PlaneCore:
     def _end_lost(
         self, tx: Transaction, run: Running, job_id: str, reason: str, now: float
     ) -> None:
-        if run.cancel_requested:  # it was being cancelled: that is how it ends
+        # Being cancelled (here, or by another process on this home, which
+        # only the store knows): that is how it ends.
+        run.cancel_requested = run.cancel_requested or tx.cancel_requested(job_id)
+        if run.cancel_requested:
             tx.finish(
                 job_id,
                 state=jobs.CANCELLED,

@@ -115,7 +115,7 @@ class Fleet(PlaneCore):
                     )
             with self.store.transaction() as tx:
                 for job_id, run in lost.items():
-                    if run.started:
+                    if run.started or run.cancel_requested or tx.cancel_requested(job_id):
                         self._end_lost(tx, run, job_id, "its worker came back without it", now)
                     else:  # placed, but it never reached the worker: not an attempt
                         run.attempt -= 1
@@ -178,15 +178,11 @@ class Fleet(PlaneCore):
             # Never handed to it (still in its inbox): never ran, not an
             # attempt. One it took but never reported started may have run
             # (starts are reported late over HTTP): that one was lost.
-            unrun = {
-                job_id
-                for job_id, run in lost.items()
-                if said and not run.tasks[0].delivered and not self._cancel_asked(job_id, run)
-            }
+            unrun = {job_id for job_id, run in lost.items() if said and not run.tasks[0].delivered}
             with self.store.transaction() as tx:
                 for job_id, run in lost.items():
-                    if job_id in unrun and tx.cancel_requested(job_id):
-                        run.cancel_requested = True  # another process, an instant ago
+                    # A job being cancelled ends so (see _end_lost), even unrun.
+                    if run.cancel_requested or tx.cancel_requested(job_id):
                         unrun.discard(job_id)
                     if job_id in unrun:
                         run.attempt -= 1
