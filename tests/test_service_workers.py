@@ -135,8 +135,8 @@ def test_a_job_cancelled_by_another_process_and_given_back_ends_cancelled(tmp_pa
 def test_a_cancel_from_another_process_an_instant_before_a_give_back_holds(
     tmp_path: Path,
 ) -> None:
-    """The other process's cancel lands after this one read the flag, but
-    before the give-back's transaction: the job ends cancelled, and runs no more."""
+    """The other process's cancel lands just before the give-back's
+    transaction: the job ends cancelled, and runs no more."""
     from gpulayer.jobs import TaskResult
 
     store = SqliteStore(tmp_path / "db.sqlite")
@@ -147,15 +147,14 @@ def test_a_cancel_from_another_process_an_instant_before_a_give_back_holds(
         job_id, wid = _placed_and_taken(plane)
         idle = plane.register_worker(WorkerInfo(id="", name="i", host="i", slot_gpus=[None])).id
         plane.heartbeat(wid, stopping=True)
-        read = store.get_job
+        transaction = store.transaction
 
-        def read_then_cancelled_elsewhere(job: str) -> object:
-            found = read(job)
+        def cancelled_elsewhere_first() -> object:
             other.cancel(job_id)
-            store.get_job = read  # type: ignore[method-assign]
-            return found
+            store.transaction = transaction  # type: ignore[method-assign]
+            return transaction()
 
-        store.get_job = read_then_cancelled_elsewhere  # type: ignore[method-assign, assignment]
+        store.transaction = cancelled_elsewhere_first  # type: ignore[method-assign, assignment]
         plane.task_finished(TaskResult(job_id=job_id, attempt=1, worker_id=wid, outcome="returned"))
         assert plane.get(job_id).state == "cancelled"
         assert plane.take_instructions(idle) == []

@@ -188,14 +188,6 @@ class PlaneCore:
         if cancelled:
             self._signal_done(job_id)
 
-    def _cancel_asked(self, job_id: str, run: Running) -> bool:
-        """Whether the job is being cancelled, here or by another process on
-        this home (that one is only in the store)."""
-        if run.cancel_requested:
-            return True
-        stored = self.store.get_job(job_id)
-        return bool(stored and stored.cancel_requested)
-
     def _node_lost(self, job_id: str, worker_id: str, reason: str, now: float) -> None:
         run = self._running.get(job_id)
         task = run.task_on(worker_id) if run is not None else None

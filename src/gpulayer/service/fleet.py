@@ -429,7 +429,7 @@ class Fleet(PlaneCore):
             if len(run.tasks) == 1:
                 if run.worker_id != result.worker_id:
                     return
-                if result.outcome == "returned" and not self._cancel_asked(result.job_id, run):
+                if result.outcome == "returned" and not run.cancel_requested:
                     self._give_back(result.job_id, run, now)
                     return
                 final = self._conclude(result.job_id, run, result, now)
