@@ -171,14 +171,7 @@ class PlaneCore:
             # asked for a cancel an instant ago.
             cancelled = tx.cancel_requested(job_id)
             if cancelled:
-                tx.finish(
-                    job_id,
-                    state=jobs.CANCELLED,
-                    exit_code=None,
-                    reason="cancelled",
-                    marks={"finished": now},
-                    outputs={},
-                )
+                self._finish_cancelled(tx, job_id, "cancelled", now)
             else:
                 self._requeue(job_id, run)
                 tx.requeue(job_id, reason=None, owner=self.instance_id, attempt=run.attempt)
@@ -187,6 +180,17 @@ class PlaneCore:
         self._dispatch(assignments, now)
         if cancelled:
             self._signal_done(job_id)
+
+    @staticmethod
+    def _finish_cancelled(tx: Transaction, job_id: str, reason: str, now: float) -> None:
+        tx.finish(
+            job_id,
+            state=jobs.CANCELLED,
+            exit_code=None,
+            reason=reason,
+            marks={"finished": now},
+            outputs={},
+        )
 
     def _node_lost(self, job_id: str, worker_id: str, reason: str, now: float) -> None:
         run = self._running.get(job_id)
@@ -323,14 +327,7 @@ class PlaneCore:
         # only the store knows): that is how it ends.
         run.cancel_requested = run.cancel_requested or tx.cancel_requested(job_id)
         if run.cancel_requested:
-            tx.finish(
-                job_id,
-                state=jobs.CANCELLED,
-                exit_code=None,
-                reason=f"cancelled ({reason} before it confirmed)",
-                marks={"finished": now},
-                outputs={},
-            )
+            self._finish_cancelled(tx, job_id, f"cancelled ({reason} before it confirmed)", now)
             self._signal_done(job_id)
             return
         if run.attempt <= run.spec.max_retries:

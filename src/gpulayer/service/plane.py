@@ -154,14 +154,7 @@ class ControlPlane(Fleet, Recovery):
                 self._dequeue(job_id)
                 with self.store.transaction() as tx:
                     tx.request_cancel(job_id)
-                    tx.finish(
-                        job_id,
-                        state=jobs.CANCELLED,
-                        exit_code=None,
-                        reason="cancelled while queued",
-                        marks={"finished": now},
-                        outputs={},
-                    )
+                    self._finish_cancelled(tx, job_id, "cancelled while queued", now)
                     # It may have held a worker for itself: others may fit now.
                     assignments = self._plan()
                     self._record(tx, assignments, now)
