@@ -30,16 +30,15 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO
+
+from harness import Announced, exit_on_sigterm, free_port, stop
 
 import gpulayer
 
@@ -167,37 +166,8 @@ def import_ms(module: str, repeat: int = 7) -> float:
 # ---- server mode: a real server process and real worker processes on loopback ----
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _cli(*argv: str) -> list[str]:
     return [sys.executable, "-m", "gpulayer.cli", *argv]
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _copy(source: IO[bytes], log: IO[bytes]) -> None:
-    with log:
-        for line in source:
-            log.write(line)
-
-
-def _stop(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 class LoopbackServer:
@@ -229,12 +199,10 @@ class LoopbackServer:
         self.close()
 
     def _spawn(
-        self, argv: list[str], log: Path, env: dict[str, str] | None = None
+        self, argv: list[str], log: Path, what: str, env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
-        """Start a process and block until it says "serving" on stderr.
-
-        What it writes is copied to ``log`` (a pipe nobody read could fill and
-        stall it). Own session: a Ctrl-C reaches only the benchmark, which
+        """Start a process and block until it says "serving" (its output goes
+        to ``log``). Own session: a Ctrl-C reaches only the benchmark, which
         stops the workers before the server, in order. Stdout is left out:
         the server prints its admin token there (read from the home instead).
         """
@@ -247,16 +215,7 @@ class LoopbackServer:
             start_new_session=True,
         )
         assert proc.stderr is not None
-        out = log.open("wb")
-        for line in proc.stderr:  # "gpulayer: ... serving URL" once it listens / registered
-            out.write(line)
-            if b"serving" in line:
-                break
-        else:
-            out.close()
-            proc.wait()
-            raise RuntimeError(f"{argv[4:6]} ended before serving:\n{_tail(log)}")
-        threading.Thread(target=_copy, args=(proc.stderr, out), daemon=True).start()
+        Announced(proc.stderr, log).wait(f"{what} did not start")
         return proc
 
     def _start(self) -> None:
@@ -264,7 +223,7 @@ class LoopbackServer:
         argv = _cli(
             "--home", str(home), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)
         )
-        self.proc = self._spawn(argv, log)
+        self.proc = self._spawn(argv, log, "the server")
         self.admin = (home / "admin-token").read_text().strip()
 
     def start_workers(self, count: int) -> None:
@@ -284,7 +243,9 @@ class LoopbackServer:
                 "--name",
                 f"bench-{i}",
             )
-            self.workers.append(self._spawn(argv, self.root / f"worker-{i}.log", env))
+            self.workers.append(
+                self._spawn(argv, self.root / f"worker-{i}.log", f"worker {i}", env)
+            )
 
     def client(self) -> gpulayer.Client:
         return gpulayer.Client(self.url, token=self.admin)
@@ -295,9 +256,9 @@ class LoopbackServer:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
             for proc in self.workers:
-                _stop(proc)
+                stop(proc)
             if self.proc is not None:
-                _stop(self.proc)
+                stop(self.proc)
         finally:
             self._tmp.cleanup()
 
@@ -325,16 +286,6 @@ def server_submits(count: int) -> dict[str, float]:
         return measure_submits(client, count)
 
 
-def _exit_on_sigterm() -> None:
-    """SIGTERM and SIGHUP unwind like Ctrl-C, so the servers are stopped too."""
-
-    def leave(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, leave)
-    signal.signal(signal.SIGHUP, leave)
-
-
 def print_rows(rows: list[tuple[str, str, str]]) -> None:
     width = max(len(r[0]) for r in rows)
     for name, value, note in rows:
@@ -342,7 +293,7 @@ def print_rows(rows: list[tuple[str, str, str]]) -> None:
 
 
 def main_server(args: argparse.Namespace, machine: str) -> None:
-    _exit_on_sigterm()
+    exit_on_sigterm()
     print("server mode: a server process and worker processes on 127.0.0.1", file=sys.stderr)
     print("measuring one job ...", file=sys.stderr)
     one = server_single(args.repeat)

@@ -70,7 +70,6 @@ import contextlib
 import json
 import os
 import platform
-import signal
 import socket
 import statistics
 import subprocess
@@ -80,6 +79,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from harness import exit_on_sigterm
 
 import gpulayer
 
@@ -391,16 +392,6 @@ def choose_backend(requested: str, mode: str) -> tuple[str, int]:
     return "gloo", 0
 
 
-def _exit_on_sigterm() -> None:
-    """SIGTERM and SIGHUP unwind like Ctrl-C, so servers and namespaces are removed too."""
-
-    def leave(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, leave)
-    signal.signal(signal.SIGHUP, leave)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -428,7 +419,7 @@ def main() -> None:
     mode = "server" if args.server else "netns" if args.netns else "embedded"
     name = "distributed_startup.json" if mode == "embedded" else f"distributed_startup-{mode}.json"
     args.json = args.json or HERE / "results" / name
-    _exit_on_sigterm()
+    exit_on_sigterm()
 
     machine = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     print(f"machine: {machine}", file=sys.stderr)

@@ -29,17 +29,16 @@ import os
 import platform
 import resource
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from harness import Announced, exit_on_sigterm, free_port, stop, tail
 
 POLL_S = 55  # each simulated worker's long poll (the server allows up to 60)
 REGISTER_CONCURRENCY = 256  # connections opened at once (the server's backlog is 4096)
@@ -113,19 +112,6 @@ class Connection:
 # ---- the server under test ----
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 class ServerProcess:
     """`gpulayer server start` on 127.0.0.1 in a temporary home; ``close`` always cleans up."""
 
@@ -141,33 +127,21 @@ class ServerProcess:
         argv += ["--heartbeat-timeout", str(heartbeat_timeout)]
         if not auth:
             argv.append("--no-auth")
-        with self.log.open("wb") as err:
-            # Own session: Ctrl-C reaches only us; we stop the server after the workers.
-            # Its stdout carries only the admin token, read from the home instead.
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                start_new_session=True,
-            )
+        # Own session: Ctrl-C reaches only us; we stop the server after the workers.
+        # Its stdout carries only the admin token, read from the home instead.
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert self.proc.stderr is not None
         try:
-            self._ready(auth)
+            Announced(self.proc.stderr, self.log).wait("the server did not start")
         except BaseException:
             self.close()
             raise
-
-    def _ready(self, auth: bool) -> None:
-        deadline = time.monotonic() + 60
-        while True:  # ready when the health endpoint answers
-            try:
-                with urllib.request.urlopen(f"{self.url}/healthz", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start:\n{_tail(self.log)}") from None
-                time.sleep(0.02)  # another process is binding: nothing to block on
         if auth:
             self.token = (self.root / "home" / "admin-token").read_text().strip()
 
@@ -180,13 +154,7 @@ class ServerProcess:
 
     def close(self) -> None:
         try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop(self.proc, grace=30)
         finally:
             self._tmp.cleanup()
 
@@ -449,16 +417,6 @@ def local_ports() -> int:
     return high - low + 1
 
 
-def _exit_on_sigterm() -> None:
-    """SIGTERM and SIGHUP unwind like Ctrl-C, so the server is stopped too."""
-
-    def leave(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, leave)
-    signal.signal(signal.SIGHUP, leave)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -498,7 +456,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     steps = [int(w) for w in args.workers.replace(",", " ").split()]
-    _exit_on_sigterm()
+    exit_on_sigterm()
 
     files = raise_file_limit()
     ports = local_ports()
@@ -523,7 +481,7 @@ def main() -> None:
             step = asyncio.run(measure(srv, n, args))
         except Exception as exc:  # this step failed; a smaller one may still have held
             step = {"workers": n, "held": False, "target_met": False, "errors": [repr(exc)]}
-            print(f"  step failed: {exc!r}\n{_tail(srv.log)}", file=sys.stderr)
+            print(f"  step failed: {exc!r}\n{tail(srv.log)}", file=sys.stderr)
         finally:
             srv.close()
         if srv.proc.returncode not in (0, -signal.SIGTERM):

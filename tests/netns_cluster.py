@@ -38,9 +38,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
-from typing import IO
+
+from harness import Announced, stop, tail
 
 import gpulayer
 
@@ -164,43 +164,6 @@ class Network:
         self._made.clear()
 
 
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-class _Announced:
-    """A process's output, copied line by line into its log file by a thread
-    (a pipe nobody read could fill and stall the process), which notes when
-    the process says it is serving: the server once it listens, a worker once
-    it has registered."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.log = log
-        self.serving = False
-        self._said = threading.Event()  # serving, or the output ended
-        assert proc.stdout is not None
-        self.thread = threading.Thread(target=self._copy, args=(proc.stdout,), daemon=True)
-        self.thread.start()
-
-    def _copy(self, pipe: IO[bytes]) -> None:
-        with pipe, self.log.open("wb") as out:
-            for line in pipe:
-                out.write(line)
-                out.flush()
-                if not self.serving and b"serving" in line:
-                    self.serving = True
-                    self._said.set()
-        self._said.set()
-
-    def wait(self, failure: str, timeout: float = 60) -> None:
-        self._said.wait(timeout)
-        if not self.serving:
-            raise RuntimeError(f"{failure}:\n{_tail(self.log)}")
-
-
 class NetnsCluster:
     """``gpulayer server start`` in one namespace, ``workers`` one-slot workers
     each in its own; this process reaches them through its veth.
@@ -231,7 +194,7 @@ class NetnsCluster:
         self.admin = ""
         self.server: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
-        self._outputs: list[_Announced] = []
+        self._outputs: list[Announced] = []
         self.worker_names = {host: f"netns-{os.getpid()}-{host}" for host in self.worker_hosts}
 
     @property
@@ -255,7 +218,7 @@ class NetnsCluster:
 
     def _spawn(
         self, host: str, argv: list[str], log: Path, env: dict[str, str] | None = None
-    ) -> tuple[subprocess.Popen[bytes], _Announced]:
+    ) -> tuple[subprocess.Popen[bytes], Announced]:
         # Own session: a Ctrl-C reaches only the caller, which stops them in order.
         proc = subprocess.Popen(
             self.net.exec_argv(host, argv),
@@ -265,7 +228,8 @@ class NetnsCluster:
             env=env,
             start_new_session=True,
         )
-        announced = _Announced(proc, log)
+        assert proc.stdout is not None
+        announced = Announced(proc.stdout, log)
         self._outputs.append(announced)
         return proc, announced
 
@@ -300,9 +264,9 @@ class NetnsCluster:
 
     def logs(self) -> str:
         """The last lines of every process's output, for a failure message."""
-        parts = [f"--- server ---\n{_tail(self.root / 'server.log')}"]
+        parts = [f"--- server ---\n{tail(self.root / 'server.log')}"]
         parts += [
-            f"--- worker {h} ---\n{_tail(self.root / f'worker-{h}.log')}" for h in self.worker_hosts
+            f"--- worker {h} ---\n{tail(self.root / f'worker-{h}.log')}" for h in self.worker_hosts
         ]
         return "\n".join(parts)
 
@@ -312,9 +276,9 @@ class NetnsCluster:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
             for proc in self.workers:
-                _stop(proc)
+                stop(proc)
             if self.server is not None:
-                _stop(self.server)
+                stop(self.server)
             for output in self._outputs:  # the copies end with the processes
                 output.thread.join(timeout=10)
         finally:
@@ -324,13 +288,3 @@ class NetnsCluster:
                 if self._tmp is not None:
                     self._tmp.cleanup()
                     self._tmp = None
-
-
-def _stop(proc: subprocess.Popen[bytes], grace: float = 15.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
