@@ -1,4 +1,5 @@
-"""Raw requests to a test server, for what the client library does not send."""
+"""Raw requests to a test server, for what the client library does not send;
+or straight into an ASGI app, with no socket."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import urllib.request
 from typing import Any
 
 from server.conftest import ServerProc
+
+ASGIApp = Any  # an ASGI application: app(scope, receive, send)
 
 
 def request(
@@ -37,3 +40,31 @@ def request(
     except ValueError:
         answer = {"not JSON": content.decode(errors="replace")}
     return status, answer, headers
+
+
+async def asgi_request(
+    app: ASGIApp, method: str, path: str, query: str = "", body: object = None
+) -> tuple[int, dict[str, str], Any]:
+    """One request straight into ``app``: (status, headers, JSON body or None)."""
+    raw = json.dumps(body).encode() if body is not None else b""
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query.encode(),
+        "headers": [(b"content-type", b"application/json")] if raw else [],
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    start = sent[0]
+    headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    content = b"".join(m.get("body", b"") for m in sent[1:])
+    return start["status"], headers, json.loads(content) if content else None

@@ -8,7 +8,6 @@ or dropped as if the network lost it.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from gpulayer.service import ControlPlane
 from gpulayer.spec import parse_spec
 from gpulayer.store.sqlite import SqliteStore
 from server.conftest import ServerProc
-from server.rawhttp import request
+from server.rawhttp import asgi_request, request
 
 from helpers import PY
 
@@ -61,27 +60,9 @@ def _finished(
 
 
 async def _call(app: App, method: str, path: str, query: str, body: object = None) -> Any:
-    """One request straight into the ASGI app: (status, JSON body, X-GPUlayer-Seq)."""
-    raw = json.dumps(body).encode() if body is not None else b""
-    scope = {
-        "type": "http",
-        "method": method,
-        "path": path,
-        "query_string": query.encode(),
-        "headers": [(b"content-type", b"application/json")],
-    }
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await app(scope, receive, send)
-    headers = dict(sent[0]["headers"])
-    seq = headers.get(b"x-gpulayer-seq")
-    return sent[0]["status"], json.loads(sent[1]["body"]), seq and seq.decode()
+    """(status, JSON body, X-GPUlayer-Seq) of one request straight into the app."""
+    status, headers, answer = await asgi_request(app, method, path, query, body)
+    return status, answer, headers.get("x-gpulayer-seq")
 
 
 def test_the_next_task_comes_with_the_finished_reply_not_the_open_poll(tmp_path: Path) -> None:

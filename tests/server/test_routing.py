@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -12,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gpulayer.http.routing import App
+from server.rawhttp import asgi_request
 
 
 async def _ok(request: Request) -> Response:
@@ -34,27 +34,7 @@ APP = App(
 
 
 def call(app: App, method: str, path: str) -> tuple[int, dict[str, str], Any]:
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "method": method,
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "headers": [],
-    }
-    asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
-    start = sent[0]
-    headers = {k.decode(): v.decode() for k, v in start["headers"]}
-    body = b"".join(m.get("body", b"") for m in sent[1:])
-    return start["status"], headers, json.loads(body) if body else None
+    return asyncio.run(asgi_request(app, method, path))
 
 
 def test_fixed_and_parameterised_paths_reach_their_handlers() -> None:
