@@ -171,7 +171,7 @@ class PlaneCore:
             # asked for a cancel an instant ago.
             cancelled = tx.cancel_requested(job_id)
             if cancelled:
-                self._finish_cancelled(tx, job_id, "cancelled", now)
+                self._finish_no_result(tx, job_id, jobs.CANCELLED, "cancelled", now)
             else:
                 self._requeue(job_id, run)
                 tx.requeue(job_id, reason=None, owner=self.instance_id, attempt=run.attempt)
@@ -182,14 +182,13 @@ class PlaneCore:
             self._signal_done(job_id)
 
     @staticmethod
-    def _finish_cancelled(tx: Transaction, job_id: str, reason: str, now: float) -> None:
+    def _finish_no_result(
+        tx: Transaction, job_id: str, state: str, reason: str, now: float
+    ) -> None:
+        """End a job that has no result of its own (cancelled or lost): no
+        exit code, no outputs."""
         tx.finish(
-            job_id,
-            state=jobs.CANCELLED,
-            exit_code=None,
-            reason=reason,
-            marks={"finished": now},
-            outputs={},
+            job_id, state=state, exit_code=None, reason=reason, marks={"finished": now}, outputs={}
         )
 
     def _node_lost(self, job_id: str, worker_id: str, reason: str, now: float) -> None:
@@ -327,21 +326,16 @@ class PlaneCore:
         # only the store knows): that is how it ends.
         run.cancel_requested = run.cancel_requested or tx.cancel_requested(job_id)
         if run.cancel_requested:
-            self._finish_cancelled(tx, job_id, f"cancelled ({reason} before it confirmed)", now)
+            self._finish_no_result(
+                tx, job_id, jobs.CANCELLED, f"cancelled ({reason} before it confirmed)", now
+            )
             self._signal_done(job_id)
             return
         if run.attempt <= run.spec.max_retries:
             self._requeue(job_id, run)
             tx.requeue(job_id, reason=f"retrying: {reason}", owner=self.instance_id)
         else:
-            tx.finish(
-                job_id,
-                state=jobs.LOST,
-                exit_code=None,
-                reason=reason,
-                marks={"finished": now},
-                outputs={},
-            )
+            self._finish_no_result(tx, job_id, jobs.LOST, reason, now)
             self._signal_done(job_id)
 
     def _signal_done(self, job_id: str, final: JobInfo | None = None) -> None:

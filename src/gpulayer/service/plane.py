@@ -154,7 +154,9 @@ class ControlPlane(Fleet, Recovery):
                 self._dequeue(job_id)
                 with self.store.transaction() as tx:
                     tx.request_cancel(job_id)
-                    self._finish_cancelled(tx, job_id, "cancelled while queued", now)
+                    self._finish_no_result(
+                        tx, job_id, jobs.CANCELLED, "cancelled while queued", now
+                    )
                     # It may have held a worker for itself: others may fit now.
                     assignments = self._plan()
                     self._record(tx, assignments, now)
