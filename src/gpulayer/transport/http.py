@@ -1,4 +1,4 @@
-"""The transport to a GPUlayer server: JSON over HTTP/1.1 (stdlib ``http.client``).
+"""The transport to a GPUlayer server: JSON over HTTP/1.1 (``wire.py``).
 
 One keep-alive connection per thread. Long polls (acquire, wait, log follow)
 are plain requests the server holds open. Blobs stream in 1 MiB chunks in
@@ -6,16 +6,15 @@ both directions and are verified against their digest; a file is never held
 whole in memory. Errors come back as the exceptions the embedded control
 plane raises, so callers handle both alike.
 
-The client is stdlib on purpose: it is on every worker's and CLI's import
-path, and ``http.client`` costs a fraction of a third-party client's import
-time for the little this API needs (ADR-0008).
+The client is kept small on purpose: it is on every worker's and CLI's
+import path and runs for every task, so it is a thin layer over the
+httptools parser rather than a general HTTP client (ADR-0008, ADR-0013).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import http.client
 import json
 import socket
 import ssl
@@ -43,6 +42,7 @@ from ..ids import new_id
 from ..jobs import Instruction, JobInfo, LogChunk, LogLine, TaskResult, TaskStarted, WorkerInfo
 from ..spec import JobSpec
 from . import Transport
+from .wire import Connection, Disconnected, Response
 
 T = TypeVar("T")
 _CHUNK = 1024 * 1024
@@ -52,7 +52,7 @@ _MAX_IDLE = 8  # idle connections kept per transport
 # which a request survives (see _exchange).
 _IDLE_MAX_S = 60.0
 # How a request fails on a keep-alive connection the server already closed.
-_CLOSED_UNDER_US = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+_CLOSED_UNDER_US = (Disconnected, BrokenPipeError, ConnectionResetError)
 _POLL_S = 30.0  # the longest single long poll; longer waits loop
 _encode = msgspec.json.encode
 
@@ -111,7 +111,7 @@ class HttpTransport(Transport):
         # Idle keep-alive connections, shared by every thread: a worker's
         # task threads are short-lived, and a connection each would cost a
         # TCP handshake (and a new connection on the server) per report.
-        self._idle: list[tuple[float, http.client.HTTPConnection]] = []
+        self._idle: list[tuple[float, Connection]] = []
         self._idle_lock = threading.Lock()
         self._received = _Received()
 
@@ -120,7 +120,7 @@ class HttpTransport(Transport):
 
     # ---- plumbing ----
 
-    def _checkout(self, timeout: float) -> http.client.HTTPConnection:
+    def _checkout(self, timeout: float) -> Connection:
         conn = None
         stale = []
         now = time.monotonic()
@@ -134,18 +134,12 @@ class HttpTransport(Transport):
         for old in stale:
             old.close()
         if conn is None:
-            if self._https:
-                conn = http.client.HTTPSConnection(
-                    self._host, self._port, timeout=timeout, context=self._ssl
-                )
-            else:
-                conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
-        conn.timeout = timeout
-        if conn.sock is not None:
-            conn.sock.settimeout(timeout)
+            conn = Connection(self._host, self._port, timeout, self._ssl)
+        else:
+            conn.settimeout(timeout)
         return conn
 
-    def _checkin(self, conn: http.client.HTTPConnection) -> None:
+    def _checkin(self, conn: Connection) -> None:
         """Keep a connection whose last response was read to the end."""
         with self._idle_lock:
             if len(self._idle) < _MAX_IDLE:
@@ -174,7 +168,7 @@ class HttpTransport(Transport):
         headers: Mapping[str, str] | None = None,
         wait: float = 0.0,
         retry: bool = True,
-    ) -> Iterator[http.client.HTTPResponse]:
+    ) -> Iterator[Response]:
         """One request, its response for the caller to read. Connection
         failures are retried (``retry``), then raise ServerUnreachable; error
         statuses raise. The connection goes back to the pool if the caller
@@ -195,9 +189,8 @@ class HttpTransport(Transport):
             reused = conn.sock is not None
             try:
                 payload = body() if callable(body) else body
-                conn.request(method, target, body=payload, headers=sent)
-                response = conn.getresponse()
-            except (OSError, http.client.HTTPException) as exc:
+                response = conn.request(method, target, sent, payload)
+            except OSError as exc:  # ProtocolError included
                 conn.close()  # a half-used keep-alive connection cannot be trusted
                 if reused and isinstance(exc, _CLOSED_UNDER_US):
                     continue  # the server closed it while idle: a new one, not a retry
@@ -211,19 +204,22 @@ class HttpTransport(Transport):
             break
         if response.status >= 400:
             error = self._error(response)
-            self._checkin(conn)
+            if response.reusable():
+                self._checkin(conn)
+            else:
+                conn.close()
             raise error
         try:
             yield response
         except BaseException:
             conn.close()
             raise
-        if response.isclosed():
+        if response.reusable():
             self._checkin(conn)
         else:
             conn.close()
 
-    def _error(self, response: http.client.HTTPResponse) -> GPUlayerError:
+    def _error(self, response: Response) -> GPUlayerError:
         raw = response.read()
         try:
             data = json.loads(raw)
@@ -466,7 +462,7 @@ class _BlobList(msgspec.Struct):
 
 
 class _Reader:
-    """A file body for http.client that reports progress as it is read."""
+    """A file body that reports progress as it is read."""
 
     def __init__(self, f: Any, on_progress: Callable[[int], None] | None) -> None:
         self.f = f

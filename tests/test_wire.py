@@ -1,0 +1,211 @@
+"""The client's HTTP/1.1 connection (transport/wire.py) against canned replies.
+
+A real socket server on a free port answers each request with the bytes a
+test gives it, and hands back what it received, so the request's exact
+wire form and each way a reply can be cut short are checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from gpulayer.transport.wire import Connection, Disconnected, ProtocolError
+
+
+class Close(bytes):
+    """A reply after which the server closes the connection."""
+
+
+class Canned:
+    """Accepts connections; answers each request (read up to its end) with the next reply.
+
+    A :class:`Close` reply is sent, then the connection is closed.
+    """
+
+    def __init__(self, replies: list[bytes]) -> None:
+        self.replies = list(replies)
+        self.requests: list[bytes] = []
+        self.connections = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while self.replies:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                while self.replies:
+                    request = _read_request(conn)
+                    if request is None:
+                        break
+                    self.requests.append(request)
+                    reply = self.replies.pop(0)
+                    conn.sendall(reply)
+                    if isinstance(reply, Close):
+                        break
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes a waiting accept()
+        self.listener.close()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+
+
+def _read_request(conn: socket.socket) -> bytes | None:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+@contextmanager
+def canned(*replies: bytes) -> Iterator[Canned]:
+    server = Canned(list(replies))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-gpulayer-seq: 7\r\n\r\nhi"
+
+
+def test_a_request_goes_out_whole_and_its_reply_is_read() -> None:
+    with canned(OK) as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        response = conn.request("POST", "/api/v1/x?a=1", {"Accept": "application/json"}, b"{}")
+        assert response.status == 200
+        assert response.getheader("X-GPUlayer-Seq") == "7"  # any case
+        assert response.read() == b"hi"
+        assert response.reusable()
+        conn.close()
+    head, _, body = server.requests[0].partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /api/v1/x?a=1 HTTP/1.1"
+    assert f"Host: 127.0.0.1:{server.port}".encode() in lines
+    assert b"Content-Length: 2" in lines
+    assert body == b"{}"
+
+
+def test_a_keep_alive_connection_carries_the_next_request() -> None:
+    with canned(OK, OK) as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        for _ in range(2):
+            response = conn.request("GET", "/", {})
+            assert response.read() == b"hi"
+            assert response.reusable()
+        conn.close()
+    assert server.connections == 1
+
+
+def test_a_chunked_body_streams_in_pieces_of_the_size_asked() -> None:
+    chunks = [b"a" * 700, b"b" * 500, b"c" * 300]
+    body = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+    with canned(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body) as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        response = conn.request("GET", "/blob", {})
+        pieces = []
+        while piece := response.read(400):
+            assert len(piece) <= 400
+            pieces.append(piece)
+        assert b"".join(pieces) == b"".join(chunks)
+        assert response.reusable()
+        conn.close()
+
+
+def test_a_reply_that_closes_the_connection_is_not_reused() -> None:
+    reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nhi"
+    with canned(reply) as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        response = conn.request("GET", "/", {})
+        assert response.read() == b"hi"
+        assert not response.reusable()
+        conn.close()
+
+
+def test_a_body_left_unread_keeps_the_connection_from_reuse() -> None:
+    reply = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n0123456789"
+    with canned(reply) as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        response = conn.request("GET", "/", {})
+        assert response.read(4) == b"0123"
+        assert not response.reusable()
+        assert response.read() == b"456789"
+        assert response.reusable()
+        conn.close()
+
+
+def test_a_connection_closed_before_any_reply_says_so() -> None:
+    with canned(Close()) as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        with pytest.raises(Disconnected):
+            conn.request("GET", "/", {})
+        conn.close()
+
+
+def test_a_reply_cut_short_or_garbled_is_a_protocol_error() -> None:
+    short = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n0123"
+    with canned(Close(short)) as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        response = conn.request("GET", "/", {})
+        with pytest.raises(ProtocolError, match="middle of its reply"):
+            response.read()
+        conn.close()
+    with canned(b"SMTP ready\r\n\r\n") as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        with pytest.raises(ProtocolError, match="unreadable reply"):
+            conn.request("GET", "/", {})
+        conn.close()
+
+
+def test_a_header_value_with_a_line_break_is_refused_unsent() -> None:
+    with canned(OK) as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        with pytest.raises(ValueError, match="Authorization") as caught:
+            conn.request("GET", "/", {"Authorization": "Bearer s3cret\r\nX-Evil: 1"})
+        assert "s3cret" not in str(caught.value)
+        assert conn.sock is None  # nothing was sent: not even connected
+        conn.close()
+
+
+def test_a_file_body_goes_out_in_chunks_after_the_headers() -> None:
+    payload = bytes(range(256)) * 5000  # over the size sent with the headers
+
+    class File:
+        def __init__(self) -> None:
+            self.at = 0
+
+        def read(self, n: int = -1) -> bytes:
+            piece = payload[self.at : self.at + 100_000]
+            self.at += len(piece)
+            return piece
+
+    with canned(OK) as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        headers = {"Content-Length": str(len(payload))}
+        assert conn.request("PUT", "/blob", headers, File()).read() == b"hi"
+        conn.close()
+    assert server.requests[0].partition(b"\r\n\r\n")[2] == payload
