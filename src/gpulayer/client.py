@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
 import socket
 import subprocess
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -63,6 +65,10 @@ class Client:
         self.url = url
         self.home = resolve_home(home)
         self._embedded: Embedded | None = None
+        # Handles on jobs not known to be final, oldest first: waiting on
+        # one asks about these too (see Job.wait).
+        self._unfinished: weakref.WeakValueDictionary[str, Job] = weakref.WeakValueDictionary()
+        self._unfinished_lock = threading.Lock()
         if url:
             from .transport.http import HttpTransport
 
@@ -311,6 +317,27 @@ class Client:
     def job(self, job_id: str) -> Job:
         return Job(self, self._transport.get_job(job_id))
 
+    def _track(self, job: Job) -> None:
+        with self._unfinished_lock:
+            self._unfinished[job.id] = job
+
+    def _wait(self, job: Job, timeout: float | None) -> JobInfo:
+        """Wait for ``job``; the reply also brings the records of other
+        handles' jobs that ended meanwhile, so waiting on a batch of jobs one
+        by one costs about one request per batch of ends, not one per job."""
+        with self._unfinished_lock:
+            candidates = (j for j in self._unfinished if j != job.id)
+            also = list(itertools.islice(candidates, defaults.WAIT_ALSO_MAX))
+        info, others = self._transport.wait_also(job.id, also, timeout)
+        with self._unfinished_lock:
+            for other in others:
+                handle = self._unfinished.pop(other.id, None)
+                if handle is not None:
+                    handle.info = other
+            if info.done:
+                self._unfinished.pop(job.id, None)
+        return info
+
     def jobs(
         self, *, state: str | Iterable[str] | None = None, limit: int | None = None
     ) -> list[Job]:
@@ -359,6 +386,8 @@ class Job:
         self.info = info
         self.id = info.id
         self._source_dir = source_dir
+        if not info.done:
+            client._track(self)
 
     def __repr__(self) -> str:
         return f"<Job {self.id} {self.info.state}>"
@@ -381,8 +410,13 @@ class Job:
         return (self.info if self.info.done else self.refresh()).timings()
 
     def wait(self, timeout: float | None = None) -> str:
-        """Block until the job ends; return its final status."""
-        self.info = self._client.transport.wait(self.id, timeout)
+        """Block until the job ends; return its final status.
+
+        A final record never changes: a job already known to have ended (its
+        end came with the reply to a wait on another job) costs no request.
+        """
+        if not self.info.done:
+            self.info = self._client._wait(self, timeout)
         if not self.info.done:
             raise WaitTimeout(f"job {self.id} is still {self.info.state} after waiting {timeout} s")
         return self.info.state

@@ -62,6 +62,9 @@ FOLLOW_RECHECK_S = 0.25
 # Final records of recently ended jobs the control plane keeps in memory, so
 # that waiting on a job that has just ended reads no store.
 FINISHED_JOBS_KEPT = 4096
+# Waiting on one job also asks about up to this many of the client's other
+# unfinished jobs (oldest first), whose ends come with the reply.
+WAIT_ALSO_MAX = 64
 
 # Server mode.
 SERVER_PORT = 8585

@@ -45,6 +45,8 @@ from .schemas import (
     SubmitRequest,
     TokenRequest,
     TokenResponse,
+    WaitReply,
+    WaitRequest,
 )
 
 log = logging.getLogger(__name__)
@@ -313,6 +315,20 @@ class Api:
             final = done.job  # the record the job ended with, when it did: no store read
         return _json(final or self.plane.get(job_id))
 
+    async def wait_jobs(self, request: Request) -> Response:
+        """Wait for one job, and bring the records of the others asked about
+        that are final by then."""
+        body = await _body(request, WaitRequest)
+        timeout = _query_float(request, "timeout", 30.0)
+        job_id = self.plane.resolve(body.id)
+        also = self.plane.finals(body.also)  # unknown ids refused before waiting
+        final, done = self.plane.watch_job(job_id)
+        if final is None and done is not None:
+            await until_signal(self.plane, lambda cb: self.plane.subscribe_done(done, cb), timeout)
+            final = done.job
+            also = self.plane.finals(body.also)  # more may have ended meanwhile
+        return _json(WaitReply(job=final or self.plane.get(job_id), also=also))
+
     async def cancel_job(self, request: Request) -> Response:
         return _json(self.plane.cancel(request.path_params["job_id"]))
 
@@ -543,6 +559,7 @@ def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: b
         ("POST", f"{v1}/jobs", g(user, api.submit)),
         ("GET", f"{v1}/jobs", g(user, api.list_jobs, ("state", "limit"))),
         ("GET", f"{v1}/jobs/{{job_id}}", g(user, api.get_job)),
+        ("POST", f"{v1}/jobs/wait", g(user, api.wait_jobs, ("timeout",))),
         ("POST", f"{v1}/jobs/{{job_id}}/wait", g(user, api.wait_job, ("timeout",))),
         ("POST", f"{v1}/jobs/{{job_id}}/cancel", g(user, api.cancel_job)),
         ("GET", f"{v1}/jobs/{{job_id}}/logs", g(user, api.job_logs, ("attempt", "seq", "timeout"))),

@@ -20,6 +20,8 @@ from .schemas import (
     SubmitRequest,
     TokenRequest,
     TokenResponse,
+    WaitReply,
+    WaitRequest,
 )
 
 # What the handlers accept (app.py: _query_float, _query_int, _body; artifacts: digests).
@@ -49,6 +51,15 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
                 "at most this many (1-10000)",
             ),
         },
+    ),
+    (
+        "post",
+        "/api/v1/jobs/wait",
+        "Long poll until one job is final or the timeout passes; the reply also "
+        "brings those of the other jobs listed that are final by then",
+        WaitRequest,
+        WaitReply,
+        {"timeout": (_TIMEOUT, "seconds to wait, 0-60")},
     ),
     ("get", "/api/v1/jobs/{job_id}", "One job (by id or unique prefix)", None, JobInfo, {}),
     (

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from ..jobs import LogLine, WorkerInfo
+from ..jobs import JobInfo, LogLine, WorkerInfo
 from ..spec import JobSpec
 
 
@@ -15,6 +15,19 @@ class SubmitRequest(msgspec.Struct, forbid_unknown_fields=True):
     # Made by the client so that a submit retried after a lost reply is not
     # stored twice: the same id and spec return the job already stored.
     id: str | None = None
+
+
+class WaitRequest(msgspec.Struct, forbid_unknown_fields=True):
+    id: str  # the job to wait for (its full id or a unique prefix)
+    # Other jobs the caller waits on (full ids): those final by the reply
+    # come with it, so a client waiting on a batch asks once per batch of
+    # ends rather than once per job.
+    also: Annotated[list[str], msgspec.Meta(max_length=1000)] = []
+
+
+class WaitReply(msgspec.Struct):
+    job: JobInfo  # final, or as it is when the timeout passed
+    also: list[JobInfo]  # those of the request's ``also`` that are final
 
 
 class BlobList(msgspec.Struct, forbid_unknown_fields=True):

@@ -129,6 +129,30 @@ class ControlPlane(Fleet, Recovery):
                 if done is not None and done.job is not None:
                     return done.job
 
+    def finals(self, job_ids: Iterable[str]) -> list[JobInfo]:
+        """The final records of those of ``job_ids`` (full ids) that are final.
+
+        Jobs queued or running here cost no store read, nor do those that
+        ended here lately.
+        """
+        found, unsure = [], []
+        with self._lock:
+            for job_id in job_ids:
+                if job_id in self._queue or job_id in self._running:
+                    continue
+                final = self._finished.get(job_id)
+                if final is not None:
+                    found.append(final)
+                else:
+                    unsure.append(job_id)
+        for job_id in unsure:
+            job = self.store.get_job(job_id)
+            if job is None:
+                raise JobNotFoundError(f"no job with id {job_id!r}")
+            if job.done:
+                found.append(job)
+        return found
+
     def watch_job(self, job_id: str) -> tuple[JobInfo | None, Done | None]:
         """The job if it is final; else what fires when it becomes final.
 

@@ -9,7 +9,7 @@ worker never needs to know where the control plane keeps them.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from ..artifacts import ArtifactStore
@@ -32,6 +32,14 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def wait(self, job_id: str, timeout: float | None) -> JobInfo: ...
+
+    def wait_also(
+        self, job_id: str, also: Sequence[str], timeout: float | None
+    ) -> tuple[JobInfo, list[JobInfo]]:
+        """:meth:`wait` for ``job_id``, and the records of those of ``also``
+        (full ids) that are final by then: a transport where each call is a
+        request brings them in the same one."""
+        return self.wait(job_id, timeout), []
 
     @abc.abstractmethod
     def cancel(self, job_id: str) -> JobInfo: ...

@@ -21,7 +21,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -284,6 +284,30 @@ class HttpTransport(Transport):
             if job.done or (deadline is not None and time.monotonic() >= deadline):
                 return job
 
+    def wait_also(
+        self, job_id: str, also: Sequence[str], timeout: float | None
+    ) -> tuple[JobInfo, list[JobInfo]]:
+        if not also:
+            return self.wait(job_id, timeout), []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        found: dict[str, JobInfo] = {}
+        while True:
+            left = (
+                _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+            )
+            asked = [j for j in also if j not in found]
+            reply = self._call(
+                "POST",
+                "/api/v1/jobs/wait",
+                _WaitReply,
+                body=_encode({"id": job_id, "also": asked}),
+                query={"timeout": f"{left:.3f}"},
+                wait=left,
+            )
+            found.update((info.id, info) for info in reply.also)
+            if reply.job.done or (deadline is not None and time.monotonic() >= deadline):
+                return reply.job, list(found.values())
+
     def cancel(self, job_id: str) -> JobInfo:
         return self._call("POST", f"/api/v1/jobs/{_q(job_id)}/cancel", JobInfo)
 
@@ -455,6 +479,11 @@ class HttpTransport(Transport):
 class _Token(msgspec.Struct):
     token: str
     role: str
+
+
+class _WaitReply(msgspec.Struct):
+    job: JobInfo
+    also: list[JobInfo]
 
 
 class _BlobList(msgspec.Struct):
