@@ -7,10 +7,11 @@ import threading
 from pathlib import Path
 
 from gpulayer.embedded import Embedded
-from gpulayer.jobs import CancelTask, Instruction, RunTask
+from gpulayer.jobs import CancelTask, Instruction, RunTask, TaskResult
 from gpulayer.spec import parse_spec
 from gpulayer.transport.http import _Received
 from gpulayer.transport.inprocess import InProcessTransport
+from gpulayer.worker.task import TaskRun
 from gpulayer.worker.worker import Worker
 
 from helpers import PY
@@ -64,6 +65,60 @@ def test_a_cancel_that_comes_before_its_task_stops_it_from_starting(home: Path) 
         final = embedded.plane.wait(job.id, timeout=60)
         assert final.state == "cancelled"
         assert "started" not in final.marks and not marker.exists()
+    finally:
+        transport.closed.set()
+        worker.stop(timeout=30)
+        embedded.close()
+
+
+class _TakeOnFinish(_HeldPoll):
+    """As over HTTP: the reply to a finished report brings what waits for the worker."""
+
+    def task_finished(self, result: TaskResult, *, take: bool = True) -> list[Instruction]:
+        self.plane.task_finished(result)
+        return self.plane.take_instructions(result.worker_id) if take else []
+
+
+def test_a_task_in_a_finished_reply_is_run_by_the_reporting_thread(home: Path) -> None:
+    """In a stream of jobs, each next one is supervised by the thread that
+    reported the last: its own thread is never started. It is still a task
+    like any other: its output is kept, and it can be cancelled."""
+    embedded = Embedded(home)
+    transport = _TakeOnFinish(embedded)
+    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
+    ran: list[TaskRun] = []
+    task_done = worker._task_done
+
+    def spy(run: TaskRun) -> None:
+        ran.append(run)
+        task_done(run)
+
+    worker._task_done = spy  # type: ignore[method-assign]
+    try:
+        worker.start()
+        jobs = [
+            transport.submit(parse_spec({"command": [PY, "-c", f"print('job {i}')"]}))
+            for i in range(3)
+        ]
+        sleeper = transport.submit(
+            parse_spec({"command": [PY, "-c", "import time; print('up'); time.sleep(60)"]})
+        )
+        worker._handle(embedded.plane.take_instructions(worker.id))  # the first; the rest follow
+        for i, job in enumerate(jobs):
+            final = embedded.plane.wait(job.id, timeout=60)
+            assert final.state == "succeeded", final.reason
+            lines = embedded.plane.read_logs(job.id, (0, 0), 0).lines
+            assert [line.text for line in lines] == [f"job {i}"]
+        up = embedded.plane.read_logs(sleeper.id, (0, 0), 30).lines  # it runs now...
+        assert [line.text for line in up] == ["up"]
+        embedded.plane.cancel(sleeper.id)
+        worker._handle(embedded.plane.take_instructions(worker.id))  # ...and hears of the cancel
+        assert embedded.plane.wait(sleeper.id, timeout=60).state == "cancelled"
+        with worker._tasks_lock:  # its thread tidies up after reporting
+            assert worker._idle.wait_for(lambda: not worker._tasks, timeout=30)
+        assert [r.task.job_id for r in ran] == [j.id for j in [*jobs, sleeper]]
+        started = [r.thread.ident is not None for r in ran]
+        assert started == [True, False, False, False]
     finally:
         transport.closed.set()
         worker.stop(timeout=30)

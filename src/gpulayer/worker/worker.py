@@ -281,7 +281,11 @@ class Worker:
         if not self._stopping.is_set():
             spare = reuse_if_empty(run.dir) or make_spare(self._new_dir())
         if spare != run.dir:
-            shutil.rmtree(run.dir, ignore_errors=True)
+            # Off this thread: it may go on to supervise the next task, whose
+            # pipes must not wait for a big workspace to be deleted.
+            threading.Thread(
+                target=shutil.rmtree, args=(run.dir,), kwargs={"ignore_errors": True}, daemon=True
+            ).start()
         with self._tasks_lock:
             if self._tasks.get(run.key) is run:  # not a newer task of the same key
                 del self._tasks[run.key]
