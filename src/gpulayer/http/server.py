@@ -105,7 +105,7 @@ class Server:
         self._server_lock = self.home.claim_server()
         self.instance_id = new_id()
         self.home.claim_instance(self.instance_id)
-        self.store = SqliteStore(self.home.db)
+        self.store = SqliteStore(self.home.db, exclusive=True)
         self.artifacts = ArtifactStore(self.home.artifacts)
         self.plane = ControlPlane(self.store, instance_id=self.instance_id)
         recovered = self._recover()

@@ -266,13 +266,19 @@ class _SqliteTransaction(Transaction):
 
 
 class SqliteStore(Store):
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, exclusive: bool = False) -> None:
+        """``exclusive``: no other process will open this file while this
+        store is open (a server's home is its own). SQLite then takes its
+        locks once rather than around every transaction, and keeps the WAL
+        index in memory rather than in a shared file."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._db = sqlite3.connect(
                 path, isolation_level=None, check_same_thread=False, timeout=30.0
             )
+            if exclusive:  # before the first access in WAL mode (SQLite's docs)
+                self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
