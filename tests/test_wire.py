@@ -209,3 +209,43 @@ def test_a_file_body_goes_out_in_chunks_after_the_headers() -> None:
         assert conn.request("PUT", "/blob", headers, File()).read() == b"hi"
         conn.close()
     assert server.requests[0].partition(b"\r\n\r\n")[2] == payload
+
+
+def test_a_body_that_runs_until_the_server_closes_is_read_whole() -> None:
+    with canned(Close(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n[1, 2]")) as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        response = conn.request("GET", "/", {})
+        assert response.read() == b"[1, 2]"
+        assert not response.reusable()
+        conn.close()
+
+
+def test_an_informational_reply_is_skipped_for_the_reply_proper() -> None:
+    reply = b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + OK
+    with canned(reply, OK) as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        response = conn.request("GET", "/", {})
+        assert (response.status, response.getheader("link"), response.read()) == (200, None, b"hi")
+        assert response.reusable()
+        assert conn.request("GET", "/", {}).read() == b"hi"  # in step with the server
+        conn.close()
+
+
+def test_repeated_headers_are_joined() -> None:
+    reply = b"HTTP/1.1 200 OK\r\nvary: a\r\nvary: b\r\ncontent-length: 0\r\n\r\n"
+    with canned(reply) as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        assert conn.request("GET", "/", {}).getheader("Vary") == "a, b"
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    ("method", "target"), [("HEAD", "/"), ("GET", "/a b"), ("GET", "/\r\nX: 1")]
+)
+def test_requests_this_client_cannot_make_right_are_refused_unsent(
+    method: str, target: str
+) -> None:
+    conn = Connection("127.0.0.1", 9, 5.0)  # nothing listens: nothing may be sent
+    with pytest.raises(ValueError):
+        conn.request(method, target, {})
+    assert conn.sock is None

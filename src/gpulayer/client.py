@@ -328,12 +328,14 @@ class Client:
         with self._unfinished_lock:
             candidates = (j for j in self._unfinished if j != job.id)
             also = list(itertools.islice(candidates, defaults.WAIT_ALSO_MAX))
-        info, others = self._transport.wait_also(job.id, also, timeout)
+        info, others, unknown = self._transport.wait_also(job.id, also, timeout)
         with self._unfinished_lock:
             for other in others:
                 handle = self._unfinished.pop(other.id, None)
                 if handle is not None:
                     handle.info = other
+            for job_id in unknown:  # not this server's: asking again is no use
+                self._unfinished.pop(job_id, None)
             if info.done:
                 self._unfinished.pop(job.id, None)
         return info

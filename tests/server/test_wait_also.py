@@ -11,10 +11,13 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 import gpulayer
+import gpulayer.client
 from gpulayer.artifacts import ArtifactStore
+from gpulayer.errors import JobNotFoundError, TransportError
 from gpulayer.http.app import create_app
 from gpulayer.jobs import TaskResult, WorkerInfo
 from gpulayer.service import ControlPlane
@@ -80,10 +83,27 @@ def test_at_the_timeout_the_job_comes_as_it_is_with_only_ended_others(tmp_path: 
         store.close()
 
 
+def test_ids_of_no_job_among_the_others_are_named_not_an_error(tmp_path: Path) -> None:
+    """The others are hints (a client's handles may come from another server)."""
+    store, plane, app, wid = _plane(tmp_path)
+    a, b = (plane.submit(parse_spec({"command": ["true"]})).id for _ in range(2))
+    _finish(plane, wid, a)
+    _finish(plane, wid, b)
+    try:
+        body = {"id": a, "also": ["0000000000zzzz", b]}
+        status, _, reply = asyncio.run(
+            asgi_request(app, "POST", "/api/v1/jobs/wait", "timeout=0", body)
+        )
+        assert status == 200, reply
+        assert [j["id"] for j in reply["also"]] == [b]
+        assert reply["unknown"] == ["0000000000zzzz"]
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize(
     ("body", "status", "names"),
     [
-        ({"id": "JOB", "also": ["0000000000zzzz"]}, 404, "0000000000zzzz"),
         ({"id": "0000000000zzzz"}, 404, "0000000000zzzz"),
         ({"id": "JOB", "also": "JOB"}, 422, "also"),
         ({"id": "JOB", "also": ["x"] * 1001}, 422, "also"),
@@ -132,3 +152,43 @@ def test_waiting_on_a_batch_one_by_one_needs_about_one_request_per_batch(
             assert job.wait() == ("succeeded" if i == 0 else "failed")
             assert job.exit_code == i
         assert len(asked) == 1
+
+
+def test_a_handle_on_a_job_this_server_never_had_does_not_break_waits(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    server.start_worker(tmp_path / "worker", slots=1)
+    with gpulayer.Client(server.url, token=server.admin) as client:
+        real = client.submit(command=[PY, "-c", "pass"])
+        stale = gpulayer.client.Job(client, msgspec.structs.replace(real.info, id="0000000000zzzz"))
+        assert real.wait(timeout=60) == "succeeded"
+        assert stale.id not in client._unfinished  # dropped: never asked about again
+        with pytest.raises(JobNotFoundError):
+            stale.wait(timeout=5)  # its own wait says so
+
+
+def test_against_a_server_without_the_endpoint_waits_go_one_by_one(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    """A server older than POST /api/v1/jobs/wait routes it to a job's path and
+    answers 405 (played here by refusing it in the client's transport)."""
+    server.start_worker(tmp_path / "worker", slots=1)
+    with gpulayer.Client(server.url, token=server.admin) as client:
+        transport = client.transport
+        call = transport._call  # type: ignore[attr-defined]
+        paths: list[str] = []
+
+        def older_server(method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+            paths.append(path)
+            if path == "/api/v1/jobs/wait":
+                raise TransportError(
+                    "the server refused the request (405): POST is not allowed on "
+                    "/api/v1/jobs/wait (allowed: GET, HEAD)"
+                )
+            return call(method, path, *args, **kwargs)
+
+        transport._call = older_server  # type: ignore[attr-defined]
+        jobs = [client.submit(command=[PY, "-c", "pass"]) for _ in range(3)]
+        assert [j.wait(timeout=60) for j in jobs] == ["succeeded"] * 3
+        waits = [p for p in paths if "wait" in p]
+        assert waits == ["/api/v1/jobs/wait", *(f"/api/v1/jobs/{j.id}/wait" for j in jobs)]

@@ -321,13 +321,12 @@ class Api:
         body = await _body(request, WaitRequest)
         timeout = _query_float(request, "timeout", 30.0)
         job_id = self.plane.resolve(body.id)
-        also = self.plane.finals(body.also)  # unknown ids refused before waiting
         final, done = self.plane.watch_job(job_id)
         if final is None and done is not None:
             await until_signal(self.plane, lambda cb: self.plane.subscribe_done(done, cb), timeout)
             final = done.job
-            also = self.plane.finals(body.also)  # more may have ended meanwhile
-        return _json(WaitReply(job=final or self.plane.get(job_id), also=also))
+        also, unknown = self.plane.finals(body.also)
+        return _json(WaitReply(job=final or self.plane.get(job_id), also=also, unknown=unknown))
 
     async def cancel_job(self, request: Request) -> Response:
         return _json(self.plane.cancel(request.path_params["job_id"]))

@@ -28,6 +28,9 @@ class WaitRequest(msgspec.Struct, forbid_unknown_fields=True):
 class WaitReply(msgspec.Struct):
     job: JobInfo  # final, or as it is when the timeout passed
     also: list[JobInfo]  # those of the request's ``also`` that are final
+    # Those of ``also`` that name no job (from another server, say): hints
+    # that were wrong, not an error of the wait.
+    unknown: list[str] = []
 
 
 class BlobList(msgspec.Struct, forbid_unknown_fields=True):

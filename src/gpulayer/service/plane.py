@@ -129,13 +129,16 @@ class ControlPlane(Fleet, Recovery):
                 if done is not None and done.job is not None:
                     return done.job
 
-    def finals(self, job_ids: Iterable[str]) -> list[JobInfo]:
-        """The final records of those of ``job_ids`` (full ids) that are final.
+    def finals(self, job_ids: Iterable[str]) -> tuple[list[JobInfo], list[str]]:
+        """The final records of those of ``job_ids`` (full ids) that are final,
+        and the ids of no job at all.
 
         Jobs queued or running here cost no store read, nor do those that
         ended here lately.
         """
-        found, unsure = [], []
+        found: list[JobInfo] = []
+        unknown: list[str] = []
+        unsure = []
         with self._lock:
             for job_id in job_ids:
                 if job_id in self._queue or job_id in self._running:
@@ -148,10 +151,10 @@ class ControlPlane(Fleet, Recovery):
         for job_id in unsure:
             job = self.store.get_job(job_id)
             if job is None:
-                raise JobNotFoundError(f"no job with id {job_id!r}")
-            if job.done:
+                unknown.append(job_id)
+            elif job.done:
                 found.append(job)
-        return found
+        return found, unknown
 
     def watch_job(self, job_id: str) -> tuple[JobInfo | None, Done | None]:
         """The job if it is final; else what fires when it becomes final.

@@ -35,11 +35,12 @@ class Transport(abc.ABC):
 
     def wait_also(
         self, job_id: str, also: Sequence[str], timeout: float | None
-    ) -> tuple[JobInfo, list[JobInfo]]:
+    ) -> tuple[JobInfo, list[JobInfo], list[str]]:
         """:meth:`wait` for ``job_id``, and the records of those of ``also``
-        (full ids) that are final by then: a transport where each call is a
-        request brings them in the same one."""
-        return self.wait(job_id, timeout), []
+        (full ids) that are final by then, and those of them that name no
+        job: a transport where each call is a request brings them in the
+        same one."""
+        return self.wait(job_id, timeout), [], []
 
     @abc.abstractmethod
     def cancel(self, job_id: str) -> JobInfo: ...

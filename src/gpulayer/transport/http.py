@@ -114,6 +114,7 @@ class HttpTransport(Transport):
         self._idle: list[tuple[float, Connection]] = []
         self._idle_lock = threading.Lock()
         self._received = _Received()
+        self._no_wait_also = False  # the server predates POST /api/v1/jobs/wait
 
     def __repr__(self) -> str:
         return f"HttpTransport({self.url!r})"  # never the token
@@ -190,8 +191,10 @@ class HttpTransport(Transport):
             try:
                 payload = body() if callable(body) else body
                 response = conn.request(method, target, sent, payload)
-            except OSError as exc:  # ProtocolError included
+            except BaseException as exc:
                 conn.close()  # a half-used keep-alive connection cannot be trusted
+                if not isinstance(exc, OSError):  # ProtocolError is one
+                    raise
                 if reused and isinstance(exc, _CLOSED_UNDER_US):
                     continue  # the server closed it while idle: a new one, not a retry
                 attempt += 1
@@ -203,7 +206,11 @@ class HttpTransport(Transport):
                 continue
             break
         if response.status >= 400:
-            error = self._error(response)
+            try:
+                error = self._error(response)
+            except BaseException:
+                conn.close()
+                raise
             if response.reusable():
                 self._checkin(conn)
             else:
@@ -286,27 +293,37 @@ class HttpTransport(Transport):
 
     def wait_also(
         self, job_id: str, also: Sequence[str], timeout: float | None
-    ) -> tuple[JobInfo, list[JobInfo]]:
-        if not also:
-            return self.wait(job_id, timeout), []
+    ) -> tuple[JobInfo, list[JobInfo], list[str]]:
+        if not also or self._no_wait_also:
+            return self.wait(job_id, timeout), [], []
         deadline = None if timeout is None else time.monotonic() + timeout
         found: dict[str, JobInfo] = {}
+        unknown: set[str] = set()
         while True:
             left = (
                 _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
             )
-            asked = [j for j in also if j not in found]
-            reply = self._call(
-                "POST",
-                "/api/v1/jobs/wait",
-                _WaitReply,
-                body=_encode({"id": job_id, "also": asked}),
-                query={"timeout": f"{left:.3f}"},
-                wait=left,
-            )
+            asked = [j for j in also if j not in found and j not in unknown]
+            try:
+                reply = self._call(
+                    "POST",
+                    "/api/v1/jobs/wait",
+                    _WaitReply,
+                    body=_encode({"id": job_id, "also": asked}),
+                    query={"timeout": f"{left:.3f}"},
+                    wait=left,
+                )
+            except (JobNotFoundError, TransportError) as exc:
+                # A server older than this endpoint: its router says there is
+                # none ("no endpoint", or POST "not allowed" on a job's path).
+                if "/api/v1/jobs/wait" not in str(exc):
+                    raise
+                self._no_wait_also = True
+                return self.wait(job_id, timeout), list(found.values()), sorted(unknown)
             found.update((info.id, info) for info in reply.also)
+            unknown.update(reply.unknown)
             if reply.job.done or (deadline is not None and time.monotonic() >= deadline):
-                return reply.job, list(found.values())
+                return reply.job, list(found.values()), sorted(unknown)
 
     def cancel(self, job_id: str) -> JobInfo:
         return self._call("POST", f"/api/v1/jobs/{_q(job_id)}/cancel", JobInfo)
@@ -484,6 +501,7 @@ class _Token(msgspec.Struct):
 class _WaitReply(msgspec.Struct):
     job: JobInfo
     also: list[JobInfo]
+    unknown: list[str] = []
 
 
 class _BlobList(msgspec.Struct):

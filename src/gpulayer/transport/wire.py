@@ -89,6 +89,10 @@ class Connection:
         ``body`` is bytes, or a :class:`Body` whose length ``headers`` give
         (Content-Length).
         """
+        if method == "HEAD":  # its reply has no body, which the parser cannot be told
+            raise ValueError("HEAD requests are not supported")
+        if any(c in target for c in " \r\n\t"):
+            raise ValueError(f"a request path has no spaces or line breaks: {target!r}")
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self._host_header}"]
         for name, value in headers.items():
             if "\r" in value or "\n" in value:
@@ -131,24 +135,38 @@ class Response:
         self._headers_done = False
         self._done = False
         self._got_any = False
+        self._until_close = False  # the body is what comes until the server closes
         self.status = 0
         self.keep_alive = False
 
     # ---- httptools callbacks ----
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+        before = self._headers.get(key)
+        self._headers[key] = text if before is None else f"{before}, {text}"
 
     def on_headers_complete(self) -> None:
+        status = self.status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            return  # informational: the reply proper follows
         self._headers_done = True
-        self.status = self._parser.get_status_code()
         # Asked here: once the message is complete the parser starts afresh.
         self.keep_alive = self._parser.should_keep_alive()
+        headers = self._headers
+        self._until_close = (
+            status not in (204, 304)
+            and "content-length" not in headers
+            and "chunked" not in headers.get("transfer-encoding", "").lower()
+        )
 
     def on_body(self, body: bytes) -> None:
         self._body += body
 
     def on_message_complete(self) -> None:
+        if not self._headers_done:  # the end of an informational reply
+            self._headers.clear()
+            return
         self._done = True
         self.keep_alive = self.keep_alive and self._parser.should_keep_alive()
 
@@ -159,6 +177,9 @@ class Response:
         if not data:
             if not self._got_any:
                 raise Disconnected("the server closed the connection")
+            if self._headers_done and self._until_close:
+                self._done, self.keep_alive = True, False  # that close ends the body
+                return
             raise ProtocolError("the server closed the connection in the middle of its reply")
         self._got_any = True
         try:
