@@ -123,3 +123,34 @@ def test_a_task_in_a_finished_reply_is_run_by_the_reporting_thread(home: Path) -
         transport.closed.set()
         worker.stop(timeout=30)
         embedded.close()
+
+
+def test_a_handed_over_task_runs_even_if_tidying_after_the_last_failed(home: Path) -> None:
+    """Tidying up after a task (its folder, the ledger) can fail, a full disk
+    say; the task that came in its finished reply must still be watched."""
+    embedded = Embedded(home)
+    transport = _TakeOnFinish(embedded)
+    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
+    task_done = worker._task_done
+    failed = []
+
+    def full_disk_once(run: TaskRun) -> None:
+        task_done(run)
+        if not failed:
+            failed.append(run.task.job_id)
+            raise OSError(28, "No space left on device")
+
+    worker._task_done = full_disk_once  # type: ignore[method-assign]
+    try:
+        worker.start()
+        first, second = (
+            transport.submit(parse_spec({"command": [PY, "-c", "pass"]})) for _ in range(2)
+        )
+        worker._handle(embedded.plane.take_instructions(worker.id))
+        assert embedded.plane.wait(first.id, timeout=60).state == "succeeded"
+        assert embedded.plane.wait(second.id, timeout=60).state == "succeeded"
+        assert failed == [first.id]
+    finally:
+        transport.closed.set()
+        worker.stop(timeout=30)
+        embedded.close()

@@ -55,6 +55,7 @@ SEMANTIC = {"POST /api/v1/jobs", "PUT /api/v1/blobs/{digest}"}
 # They take a timeout (0-60 s) and, on a worker or job the fuzz made, wait it out.
 LONG_POLLS = {
     "POST /api/v1/jobs/{job_id}/wait",
+    "POST /api/v1/jobs/wait",
     "GET /api/v1/jobs/{job_id}/logs",
     "POST /api/v1/workers/{worker_id}/acquire",
 }

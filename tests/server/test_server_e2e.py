@@ -296,6 +296,35 @@ def test_a_server_home_is_its_own(server: ServerProc, tmp_path: Path) -> None:
     assert second.returncode != 0 and "another GPUlayer server" in second.stderr
 
 
+def test_a_server_will_not_share_its_home_with_an_embedded_client(tmp_path: Path) -> None:
+    """The server holds its store alone: on a home an embedded client is
+    using, it refuses to start, soon and saying why."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    with gpulayer.Client(home=home, auto_worker=False) as client:
+        client.submit(command=[PY, "-c", "pass"])  # the store is open and in use
+        refused = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpulayer.cli",
+                "--home",
+                str(home),
+                "server",
+                "start",
+                "--port",
+                str(free_port()),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert refused.returncode != 0
+    assert "another process is using the job store" in refused.stderr
+
+
 def test_run_detach_returns_the_job_id(server: ServerProc, tmp_path: Path) -> None:
     import subprocess
     import sys

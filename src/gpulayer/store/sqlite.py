@@ -23,6 +23,7 @@ from . import Store, Transaction
 from .migrations import LATEST, MIGRATIONS
 
 _encode = msgspec.json.encode
+_EXCLUSIVE_WAIT_S = 2.0  # for the lock of a store opened for one process alone
 _decode_spec = msgspec.json.Decoder(JobSpec).decode
 _decode_marks = msgspec.json.Decoder(dict[str, float]).decode
 _decode_ints = msgspec.json.Decoder(list[int]).decode
@@ -274,8 +275,13 @@ class SqliteStore(Store):
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            # Exclusive: the lock is held from the first access on, so a
+            # process using the file now will not let go; no use waiting long.
             self._db = sqlite3.connect(
-                path, isolation_level=None, check_same_thread=False, timeout=30.0
+                path,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=_EXCLUSIVE_WAIT_S if exclusive else 30.0,
             )
             if exclusive:  # before the first access in WAL mode (SQLite's docs)
                 self._db.execute("PRAGMA locking_mode=EXCLUSIVE")
@@ -283,6 +289,12 @@ class SqliteStore(Store):
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
         except sqlite3.Error as exc:
+            if exclusive and "locked" in str(exc):
+                raise StoreError(
+                    f"another process is using the job store at {path} (an embedded GPUlayer "
+                    "client or worker on this home?); stop it first: a server needs its home "
+                    "to itself"
+                ) from None
             raise StoreError(f"cannot open the job store at {path}: {exc}") from None
         # One connection, used by one thread at a time: the control plane's
         # threads are few and each statement is short.

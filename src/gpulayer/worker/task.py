@@ -198,7 +198,15 @@ class TaskRun:
         run: TaskRun | None = self
         while run is not None:
             _successor.open, _successor.run = False, None
-            run._run_one()
+            try:
+                run._run_one()
+            except Exception:  # tidying up failed (a full disk, say): the next one still runs
+                log.exception("task %s: ending it failed", run.task.job_id)
+            except BaseException:
+                successor, _successor.run = _successor.run, None
+                if successor is not None:  # on a thread of its own, as it would have been
+                    successor.thread.start()
+                raise
             run, _successor.run = _successor.run, None
             if run is not None:
                 threading.current_thread().name = run.thread.name
