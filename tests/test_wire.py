@@ -90,18 +90,27 @@ def canned(*replies: bytes) -> Iterator[Canned]:
         server.close()
 
 
+@contextmanager
+def talking(*replies: bytes) -> Iterator[tuple[Canned, Connection]]:
+    """A canned server and a connection to it, closed at the end."""
+    with canned(*replies) as server:
+        conn = Connection("127.0.0.1", server.port, 5.0)
+        try:
+            yield server, conn
+        finally:
+            conn.close()
+
+
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-gpulayer-seq: 7\r\n\r\nhi"
 
 
 def test_a_request_goes_out_whole_and_its_reply_is_read() -> None:
-    with canned(OK) as server:
-        conn = Connection("127.0.0.1", server.port, 5.0)
+    with talking(OK) as (server, conn):
         response = conn.request("POST", "/api/v1/x?a=1", {"Accept": "application/json"}, b"{}")
         assert response.status == 200
         assert response.getheader("X-GPUlayer-Seq") == "7"  # any case
         assert response.read() == b"hi"
         assert response.reusable()
-        conn.close()
     head, _, body = server.requests[0].partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
     assert lines[0] == b"POST /api/v1/x?a=1 HTTP/1.1"
@@ -111,21 +120,18 @@ def test_a_request_goes_out_whole_and_its_reply_is_read() -> None:
 
 
 def test_a_keep_alive_connection_carries_the_next_request() -> None:
-    with canned(OK, OK) as server:
-        conn = Connection("127.0.0.1", server.port, 5.0)
+    with talking(OK, OK) as (server, conn):
         for _ in range(2):
             response = conn.request("GET", "/", {})
             assert response.read() == b"hi"
             assert response.reusable()
-        conn.close()
     assert server.connections == 1
 
 
 def test_a_chunked_body_streams_in_pieces_of_the_size_asked() -> None:
     chunks = [b"a" * 700, b"b" * 500, b"c" * 300]
     body = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
-    with canned(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body) as server:
-        conn = Connection("127.0.0.1", server.port, 5.0)
+    with talking(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body) as (_, conn):
         response = conn.request("GET", "/blob", {})
         pieces = []
         while piece := response.read(400):
@@ -133,62 +139,50 @@ def test_a_chunked_body_streams_in_pieces_of_the_size_asked() -> None:
             pieces.append(piece)
         assert b"".join(pieces) == b"".join(chunks)
         assert response.reusable()
-        conn.close()
 
 
 def test_a_reply_that_closes_the_connection_is_not_reused() -> None:
     reply = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nhi"
-    with canned(reply) as server:
-        conn = Connection("127.0.0.1", server.port, 5.0)
+    with talking(reply) as (_, conn):
         response = conn.request("GET", "/", {})
         assert response.read() == b"hi"
         assert not response.reusable()
-        conn.close()
 
 
 def test_a_body_left_unread_keeps_the_connection_from_reuse() -> None:
     reply = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n0123456789"
-    with canned(reply) as server:
-        conn = Connection("127.0.0.1", server.port, 5.0)
+    with talking(reply) as (_, conn):
         response = conn.request("GET", "/", {})
         assert response.read(4) == b"0123"
         assert not response.reusable()
         assert response.read() == b"456789"
         assert response.reusable()
-        conn.close()
 
 
 def test_a_connection_closed_before_any_reply_says_so() -> None:
-    with canned(Close()) as server:
-        conn = Connection("127.0.0.1", server.port, 5.0)
-        with pytest.raises(Disconnected):
-            conn.request("GET", "/", {})
-        conn.close()
+    with talking(Close()) as (_, conn), pytest.raises(Disconnected):
+        conn.request("GET", "/", {})
 
 
 def test_a_reply_cut_short_or_garbled_is_a_protocol_error() -> None:
     short = b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n0123"
-    with canned(Close(short)) as server:
-        conn = Connection("127.0.0.1", server.port, 5.0)
+    with talking(Close(short)) as (_, conn):
         response = conn.request("GET", "/", {})
         with pytest.raises(ProtocolError, match="middle of its reply"):
             response.read()
-        conn.close()
-    with canned(b"SMTP ready\r\n\r\n") as server:
-        conn = Connection("127.0.0.1", server.port, 5.0)
-        with pytest.raises(ProtocolError, match="unreadable reply"):
-            conn.request("GET", "/", {})
-        conn.close()
+    with (
+        talking(b"SMTP ready\r\n\r\n") as (_, conn),
+        pytest.raises(ProtocolError, match="unreadable reply"),
+    ):
+        conn.request("GET", "/", {})
 
 
 def test_a_header_value_with_a_line_break_is_refused_unsent() -> None:
-    with canned(OK) as server:
-        conn = Connection("127.0.0.1", server.port, 5.0)
+    with talking(OK) as (_, conn):
         with pytest.raises(ValueError, match="Authorization") as caught:
             conn.request("GET", "/", {"Authorization": "Bearer s3cret\r\nX-Evil: 1"})
         assert "s3cret" not in str(caught.value)
         assert conn.sock is None  # nothing was sent: not even connected
-        conn.close()
 
 
 def test_a_file_body_goes_out_in_chunks_after_the_headers() -> None:
@@ -203,40 +197,32 @@ def test_a_file_body_goes_out_in_chunks_after_the_headers() -> None:
             self.at += len(piece)
             return piece
 
-    with canned(OK) as server:
-        conn = Connection("127.0.0.1", server.port, 5.0)
+    with talking(OK) as (server, conn):
         headers = {"Content-Length": str(len(payload))}
         assert conn.request("PUT", "/blob", headers, File()).read() == b"hi"
-        conn.close()
     assert server.requests[0].partition(b"\r\n\r\n")[2] == payload
 
 
 def test_a_body_that_runs_until_the_server_closes_is_read_whole() -> None:
-    with canned(Close(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n[1, 2]")) as server:
-        conn = Connection("127.0.0.1", server.port, 5.0)
+    with talking(Close(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n[1, 2]")) as (_, conn):
         response = conn.request("GET", "/", {})
         assert response.read() == b"[1, 2]"
         assert not response.reusable()
-        conn.close()
 
 
 def test_an_informational_reply_is_skipped_for_the_reply_proper() -> None:
     reply = b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + OK
-    with canned(reply, OK) as server:
-        conn = Connection("127.0.0.1", server.port, 5.0)
+    with talking(reply, OK) as (_, conn):
         response = conn.request("GET", "/", {})
         assert (response.status, response.getheader("link"), response.read()) == (200, None, b"hi")
         assert response.reusable()
         assert conn.request("GET", "/", {}).read() == b"hi"  # in step with the server
-        conn.close()
 
 
 def test_repeated_headers_are_joined() -> None:
     reply = b"HTTP/1.1 200 OK\r\nvary: a\r\nvary: b\r\ncontent-length: 0\r\n\r\n"
-    with canned(reply) as server:
-        conn = Connection("127.0.0.1", server.port, 5.0)
+    with talking(reply) as (_, conn):
         assert conn.request("GET", "/", {}).getheader("Vary") == "a, b"
-        conn.close()
 
 
 @pytest.mark.parametrize(

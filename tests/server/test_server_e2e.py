@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -267,68 +269,50 @@ def test_workers_advertise_the_address_they_reach_the_server_from(
     assert info.address == "127.0.0.1"
 
 
-def test_a_server_home_is_its_own(server: ServerProc, tmp_path: Path) -> None:
-    import subprocess
-    import sys
+def _server_start(home: Path) -> subprocess.CompletedProcess[str]:
+    """`gpulayer server start` on ``home``, expected to refuse (it would serve for ever)."""
+    port = str(free_port())
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpulayer.cli",
+            "--home",
+            str(home),
+            "server",
+            "start",
+            "--port",
+            port,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
+
+def test_a_server_home_is_its_own(server: ServerProc, tmp_path: Path) -> None:
     from gpulayer.errors import GPUlayerError
 
     # Embedded use of a server's home would end the jobs its workers run.
     with pytest.raises(GPUlayerError, match="server's home"):
         gpulayer.Client(home=server.home)
     # A second server on the same home is refused.
-    second = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gpulayer.cli",
-            "--home",
-            str(server.home),
-            "server",
-            "start",
-            "--port",
-            str(free_port()),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    second = _server_start(server.home)
     assert second.returncode != 0 and "another GPUlayer server" in second.stderr
 
 
 def test_a_server_will_not_share_its_home_with_an_embedded_client(tmp_path: Path) -> None:
     """The server holds its store alone: on a home an embedded client is
     using, it refuses to start, soon and saying why."""
-    import subprocess
-    import sys
-
     home = tmp_path / "home"
     with gpulayer.Client(home=home, auto_worker=False) as client:
         client.submit(command=[PY, "-c", "pass"])  # the store is open and in use
-        refused = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "gpulayer.cli",
-                "--home",
-                str(home),
-                "server",
-                "start",
-                "--port",
-                str(free_port()),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        refused = _server_start(home)
     assert refused.returncode != 0
     assert "another process is using the job store" in refused.stderr
 
 
 def test_run_detach_returns_the_job_id(server: ServerProc, tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     server.start_worker(tmp_path / "w1")
     done = subprocess.run(
         [

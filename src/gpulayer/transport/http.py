@@ -211,16 +211,17 @@ class HttpTransport(Transport):
             except BaseException:
                 conn.close()
                 raise
-            if response.reusable():
-                self._checkin(conn)
-            else:
-                conn.close()
+            self._release(conn, response)
             raise error
         try:
             yield response
         except BaseException:
             conn.close()
             raise
+        self._release(conn, response)
+
+    def _release(self, conn: Connection, response: Response) -> None:
+        """Back to the pool if ``response`` was read to its end, else closed."""
         if response.reusable():
             self._checkin(conn)
         else:
