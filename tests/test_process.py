@@ -24,8 +24,8 @@ import psutil
 import pytest
 
 from gpulayer.worker.process import (
+    CREATE_TIME_TOLERANCE_S,
     kill_orphans,
-    process_create_time,
     spawn,
     terminate_tree,
 )
@@ -274,15 +274,14 @@ def test_kill_orphans_ends_the_tree_a_dead_worker_left(procs: Procs) -> None:
                          start_new_session=True)
         os._exit(0)
     """)
+    before = time.time()  # what a worker records as the start: its clock before the spawn
     proc, lines = procs.start(worker, PARENT, SLEEPER, "IGNORE_TERM")
     pids = lines.pids("child", "grandchild")
     assert proc.wait(timeout=20) == 0
     job, grandchild = procs.track(pids["child"]), procs.track(pids["grandchild"])
     assert job.ppid() != proc.pid  # reparented: no longer anyone we started
-    create_time = process_create_time(job.pid)
-    assert create_time is not None
 
-    assert kill_orphans(job.pid, create_time, grace=GRACE) is True
+    assert kill_orphans(job.pid, before, grace=GRACE) is True
 
     assert not running(job)
     assert not running(grandchild)
@@ -296,8 +295,17 @@ def test_kill_orphans_leaves_a_reused_pid_alone(procs: Procs) -> None:
     assert running(sleeper)
 
 
-def test_gone_process_has_no_create_time_and_no_orphans(procs: Procs) -> None:
+def test_a_start_time_read_before_the_spawn_matches_psutils(procs: Procs) -> None:
+    # psutil adds clock ticks to a boot time in whole seconds: its reading can
+    # be up to a second before the worker's clock, never beyond the tolerance.
+    before = time.time()
+    _, lines = procs.start(SLEEPER, "child")
+    sleeper = procs.track(lines.pids("child")["child"])
+
+    assert abs(sleeper.create_time() - before) < CREATE_TIME_TOLERANCE_S - 0.5
+
+
+def test_gone_process_has_no_orphans(procs: Procs) -> None:
     gone, _ = procs.start("pass")
     gone.wait(timeout=20)
-    assert process_create_time(gone.pid) is None
     assert kill_orphans(gone.pid, time.time(), grace=GRACE) is False

@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 
+from gpulayer.transport.http import _query_string
 from gpulayer.transport.wire import Connection, Disconnected, ProtocolError
 
 
@@ -235,3 +237,16 @@ def test_requests_this_client_cannot_make_right_are_refused_unsent(
     with pytest.raises(ValueError):
         conn.request(method, target, {})
     assert conn.sock is None
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        {"take": 1, "ack": 5, "gen": 123456789},
+        {"state": ["queued", "running"], "limit": 100},
+        {"timeout": "30.000"},
+        {"odd": "a b&c=d/é?#", "flag": True},
+    ],
+)
+def test_a_query_string_is_what_urlencode_makes(query: dict[str, object]) -> None:
+    assert _query_string(query) == urllib.parse.urlencode(query, doseq=True)

@@ -117,7 +117,7 @@ def test_a_task_in_a_finished_reply_is_run_by_the_reporting_thread(home: Path) -
         with worker._tasks_lock:  # its thread tidies up after reporting
             assert worker._idle.wait_for(lambda: not worker._tasks, timeout=30)
         assert [r.task.job_id for r in ran] == [j.id for j in [*jobs, sleeper]]
-        started = [r.thread.ident is not None for r in ran]
+        started = [r.thread is not None for r in ran]
         assert started == [True, False, False, False]
     finally:
         transport.closed.set()

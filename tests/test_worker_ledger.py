@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gpulayer.embedded import Embedded
 from gpulayer.spec import parse_spec
-from gpulayer.worker.ledger import Ledger
+from gpulayer.worker.ledger import Ledger, _read
 from gpulayer.worker.worker import Worker
 
 from helpers import PY, pids_alive
@@ -49,3 +49,24 @@ def test_a_task_that_outlives_the_stop_is_left_in_the_ledger(home: Path) -> None
         assert pids_alive(pid) == []
     finally:
         embedded.close()
+
+
+def test_record_files_are_reused_in_place_and_blanked_when_tasks_end(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path)
+    try:
+        ledger.record("a-1", [(11, 1.5), (12, 2.5)])
+        ledger.record("b-1", [(13, 3.5)])
+        files = sorted((ledger.dir / "tasks").iterdir())
+        assert len(files) == 2
+
+        ledger.forget("a-1")
+        ledger.record("c-1", [(14, 4.5)])  # shorter than a-1's: nothing of it may remain
+
+        assert sorted((ledger.dir / "tasks").iterdir()) == files  # no new file
+        assert sorted(entry for f in files for entry in _read(f)) == [(13, 3.5), (14, 4.5)]
+        ledger.forget("b-1")
+        ledger.forget("c-1")
+        assert [_read(f) for f in files] == [[], []]
+    finally:
+        ledger.close()
+    assert not ledger.dir.exists()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 import socket
 import ssl
 import threading
@@ -53,8 +54,23 @@ _MAX_IDLE = 8  # idle connections kept per transport
 _IDLE_MAX_S = 60.0
 # How a request fails on a keep-alive connection the server already closed.
 _CLOSED_UNDER_US = (Disconnected, BrokenPipeError, ConnectionResetError)
+_PLAIN = re.compile(r"[A-Za-z0-9._~-]*")  # a query value that needs no quoting
 _POLL_S = 30.0  # the longest single long poll; longer waits loop
 _encode = msgspec.json.encode
+
+
+def _query_string(query: Mapping[str, Any]) -> str:
+    """``urlencode(query, doseq=True)`` for our own keys, with no quoting of
+    the plain numbers and words that most values are (a worker sends three
+    with every task's end)."""
+    parts = []
+    for key, value in query.items():
+        for item in value if isinstance(value, list | tuple) else (value,):
+            text = str(item)
+            parts.append(
+                f"{key}={text}" if _PLAIN.fullmatch(text) else urllib.parse.urlencode({key: text})
+            )
+    return "&".join(parts)
 
 
 class _Received:
@@ -179,7 +195,7 @@ class HttpTransport(Transport):
         try (a file rewound); ``headers`` then say what it is."""
         target = self._base + path
         if query:
-            target += "?" + urllib.parse.urlencode(query, doseq=True)
+            target += "?" + _query_string(query)
         sent = self._headers(
             headers or ({"Content-Type": "application/json"} if body is not None else None)
         )

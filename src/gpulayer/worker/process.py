@@ -21,7 +21,6 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -32,12 +31,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Every task's stdin (close-on-exec here; the child gets it as its fd 0).
+_DEVNULL = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
 # How long to wait for processes to vanish after SIGKILL. They cannot refuse;
 # only one stuck in the kernel (e.g. a wedged GPU driver) takes longer.
 KILL_WAIT_S = 2.0
-# Two readings of one process's start time can differ slightly (psutil derives
-# it from the boot time and clock ticks); a reused pid starts much later.
-CREATE_TIME_TOLERANCE_S = 1.0
+# A task's start time is the worker's clock read just before the spawn (see
+# spawn()). psutil's reading, which it is checked against, adds the process's
+# start in clock ticks to the boot time in whole seconds, so it can come out
+# up to a second earlier. A reused pid starts much later.
+CREATE_TIME_TOLERANCE_S = 2.0
 
 
 def spawn(
@@ -45,20 +49,40 @@ def spawn(
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` as the leader of a new session and process group.
 
-    stdin is closed (``/dev/null``), stdout and stderr are pipes for the
-    caller to drain. No ``preexec_fn``: it would cost CPython its fast
-    ``vfork()`` path; ``start_new_session`` does not.
+    stdin is ``/dev/null``; stdout and stderr are pipes for the caller to
+    drain, as unbuffered ``proc.stdout`` and ``proc.stderr``. No
+    ``preexec_fn``: it would cost CPython its fast ``vfork()`` path;
+    ``start_new_session`` does not. The pipes are made here and ``/dev/null``
+    is opened once, not by ``Popen`` for each task: a sixth of its cost.
+
+    Its start time, for telling it from a later process on the same pid, is
+    ``time.time()`` read just before this call. Reading ``/proc/<pid>/stat``
+    instead blocks until the child has finished loading its program: about
+    3 ms of the launching thread and 0.1 ms of its CPU per task, measured.
     """
-    return subprocess.Popen(
-        list(argv),
-        cwd=cwd,
-        env=dict(env),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        close_fds=True,
-    )
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            list(argv),
+            cwd=cwd,
+            env=env,
+            stdin=_DEVNULL,
+            stdout=out_write,
+            stderr=err_write,
+            start_new_session=True,
+            close_fds=True,
+        )
+    except BaseException:
+        os.close(out_read)
+        os.close(err_read)
+        raise
+    finally:
+        os.close(out_write)
+        os.close(err_write)
+    proc.stdout = open(out_read, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+    proc.stderr = open(err_read, "rb", buffering=0)  # noqa: SIM115
+    return proc
 
 
 def terminate_tree(proc: subprocess.Popen[bytes] | int, *, grace: float = 10.0) -> None:
@@ -89,8 +113,8 @@ def terminate_tree(proc: subprocess.Popen[bytes] | int, *, grace: float = 10.0) 
 def kill_orphans(pid: int, create_time: float, *, grace: float) -> bool:
     """End the tree of a task left running by a worker that died.
 
-    ``pid`` and ``create_time`` were recorded when the task started
-    (:func:`process_create_time`). Returns True if that very process was
+    ``pid`` and ``create_time`` were recorded when the task started (the
+    worker's clock just before :func:`spawn`). Returns True if that very process was
     still there (a different process on a reused pid does not count) and its
     tree has now been ended; False if it was gone.
     """
@@ -109,35 +133,6 @@ def kill_orphans(pid: int, create_time: float, *, grace: float) -> bool:
         return False
     _terminate(root, _own_group(pid, root, trusted=False), grace)
     return True
-
-
-_BOOT_TIME: float | None = None
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def process_create_time(pid: int) -> float | None:
-    """When ``pid`` started (seconds since the epoch), or None if it does not exist.
-
-    Agrees with ``psutil.Process(pid).create_time()``. On Linux it reads
-    ``/proc/<pid>/stat`` with the boot time looked up once: this runs for every
-    task, and psutil re-reads the boot time each call.
-    """
-    global _BOOT_TIME
-    import psutil
-
-    if sys.platform.startswith("linux"):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rpartition(b")")[2].split()
-        except (FileNotFoundError, ProcessLookupError):
-            return None
-        if _BOOT_TIME is None:
-            _BOOT_TIME = psutil.boot_time()
-        return _BOOT_TIME + int(fields[19]) / _CLOCK_TICKS
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.NoSuchProcess:
-        return None
 
 
 def _own_group(pid: int, root: psutil.Process | None, *, trusted: bool) -> int | None:

@@ -51,7 +51,7 @@ from .launch import (
     torchrun_failure,
 )
 from .logs import LogSender, TaskLog
-from .process import process_create_time, spawn, terminate_tree
+from .process import spawn, terminate_tree
 from .watch import watch_all
 from .workspace import collect_outputs, prepare
 
@@ -125,9 +125,9 @@ class TaskRun:
         self._rendezvous = threading.Event()
         self._failed: tuple[int | None, int] | None = None
         self._proc_times: list[tuple[int, float | None]] = []
-        self.thread = threading.Thread(
-            target=self._run, name=f"gpulayer-task-{task.job_id}", daemon=True
-        )
+        # Its own thread, if it gets one (a task handed to the thread that
+        # reported the previous one does not).
+        self.thread: threading.Thread | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -146,7 +146,15 @@ class TaskRun:
         if getattr(_successor, "open", False) and _successor.run is None:
             _successor.run = self  # this thread reports its task's end: it takes this one on
             return
+        self._start_thread()
+
+    def _start_thread(self) -> None:
+        self.thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
         self.thread.start()
+
+    @property
+    def _thread_name(self) -> str:
+        return f"gpulayer-task-{self.task.job_id}"
 
     def stop(self, why: Outcome) -> None:
         """End the task early: ``cancelled``, ``timed_out`` or ``lost``."""
@@ -205,11 +213,11 @@ class TaskRun:
             except BaseException:
                 successor, _successor.run = _successor.run, None
                 if successor is not None:  # on a thread of its own, as it would have been
-                    successor.thread.start()
+                    successor._start_thread()
                 raise
             run, _successor.run = _successor.run, None
             if run is not None:
-                threading.current_thread().name = run.thread.name
+                threading.current_thread().name = run._thread_name
 
     def _run_one(self) -> None:
         if self._tasklog is None:
@@ -282,12 +290,13 @@ class TaskRun:
             if self._ending is not None:
                 self._early = self._result(self._ending)
                 return
+            spawned = time.time()  # the processes' start time, as process.spawn says
             if spec.distributed:
                 self._spawn_ranks(argv, ws.cwd, env)
             else:
                 self._procs = [spawn(argv, cwd=ws.cwd, env=env)]
         self.marks["started"] = time.time()
-        self._proc_times = [(p.pid, process_create_time(p.pid)) for p in self._procs]
+        self._proc_times = [(p.pid, spawned) for p in self._procs]
         if self.on_spawned is not None:
             self.on_spawned(self, self._proc_times)
 

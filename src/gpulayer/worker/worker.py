@@ -242,7 +242,7 @@ class Worker:
             self._outbox.send(lambda: self._finish(result))
             return
         with self._tasks_lock:
-            task_dir = self._spares.pop() if self._spares else self._new_dir()
+            task_dir = self._spares.pop() if self._spares else make_spare(self._new_dir())
         run = TaskRun(
             task,
             worker_id=self.info.id,

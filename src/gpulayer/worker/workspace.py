@@ -35,7 +35,7 @@ class Workspace:
 
 
 def prepare(task: RunTask, task_dir: Path, transport: Transport, cache: ArtifactStore) -> Workspace:
-    """Lay out ``task_dir`` (new, or made ahead by :func:`make_spare`) for ``task``."""
+    """Lay out ``task_dir``, made by :func:`make_spare`, for ``task``."""
     spec = task.spec
     cwd = task_dir / "workspace"
 
@@ -45,8 +45,6 @@ def prepare(task: RunTask, task_dir: Path, transport: Transport, cache: Artifact
     if spec.bundle is not None:
         blob(spec.bundle)
         bundle.materialize(bundle.load(cache, spec.bundle), cwd, blob)
-    else:
-        cwd.mkdir(parents=True, exist_ok=True)
     env = {"GPULAYER_WORKSPACE": str(cwd)}
     if spec.inputs:
         inputs = task_dir / "inputs"
