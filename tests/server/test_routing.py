@@ -7,15 +7,12 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-
-from gpulayer.http.routing import App
+from gpulayer.http.routing import App, Request, Response, json_response
 from server.rawhttp import asgi_request
 
 
 async def _ok(request: Request) -> Response:
-    return JSONResponse({"params": request.path_params, "method": request.method})
+    return json_response({"params": request.path_params, "method": request.method})
 
 
 async def _boom(request: Request) -> Response:

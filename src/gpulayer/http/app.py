@@ -18,8 +18,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
-from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse
 
 from ..artifacts import ArtifactStore
 from ..errors import (
@@ -35,7 +34,7 @@ from ..service.state import Delivery
 from ..signals import Unsubscribe
 from . import auth
 from .metrics import Metrics
-from .routing import App, Handler
+from .routing import App, ASGIResponse, Handler, Request, Response, json_response
 from .schemas import (
     BlobList,
     HeartbeatRequest,
@@ -57,16 +56,13 @@ T = TypeVar("T")
 
 MAX_POLL_S = 60.0  # a long poll returns empty after this; the caller asks again
 _encoder = msgspec.json.Encoder()
+_json = json_response
 
 
 class ApiError(GPUlayerError):
     def __init__(self, status: int, message: str) -> None:
         self.status = status
         super().__init__(message)
-
-
-def _json(data: Any, status: int = 200) -> Response:
-    return Response(_encoder.encode(data), status_code=status, media_type="application/json")
 
 
 def _error(status: int, message: str) -> Response:
@@ -135,7 +131,7 @@ def _too_big(value: Any, path: str) -> str | None:
 
 
 def _query_float(request: Request, name: str, default: float, *, high: float = MAX_POLL_S) -> float:
-    raw = request.query_params.get(name)
+    raw = request.query_value(name)
     if raw is None:
         return default
     try:
@@ -152,7 +148,7 @@ def _query_float(request: Request, name: str, default: float, *, high: float = M
 def _query_int(
     request: Request, name: str, default: int, *, low: int = 0, high: int = 1 << 62
 ) -> int:
-    raw = request.query_params.get(name)
+    raw = request.query_value(name)
     if raw is None:
         return default
     try:
@@ -171,7 +167,7 @@ _GENERATION = "X-GPUlayer-Generation"
 
 
 def _query_generation(request: Request) -> int | None:
-    if "gen" not in request.query_params:
+    if "gen" not in request.query:
         return None
     return _query_int(request, "gen", 0, high=(1 << 63) - 1)
 
@@ -244,10 +240,10 @@ class Api:
         """Authenticate (unless ``roles`` is None: open), refuse query parameters not in
         ``query`` (None: any), then map errors to statuses."""
 
-        async def endpoint(request: Request) -> Response:
+        async def endpoint(request: Request) -> ASGIResponse:
             try:
                 if roles is not None and self.auth_enabled:
-                    header = request.headers.get("authorization") or ""
+                    header = request.header(b"authorization") or ""
                     role = self._roles.get(header)
                     if role is None:
                         role = auth.role_of(self.plane.store, header)  # 401 if not valid
@@ -260,7 +256,7 @@ class Api:
                     request.scope[_CALLER] = (auth.ADMIN, "")
                 # Most requests have no query string: parse none then.
                 unknown = (
-                    sorted(set(request.query_params) - set(query))
+                    sorted(set(request.query) - set(query))
                     if query is not None and request.scope["query_string"]
                     else ()
                 )
@@ -296,7 +292,7 @@ class Api:
         return _json(job, 201)
 
     async def list_jobs(self, request: Request) -> Response:
-        states = request.query_params.getlist("state")
+        states = request.query.get("state", [])
         for state in states:
             if state not in STATES:
                 raise ApiError(422, f"unknown state {state!r}; valid states: {', '.join(STATES)}")
@@ -378,11 +374,11 @@ class Api:
             raise
         return _json({"digest": writer.commit(), "size": writer.size}, 201)
 
-    async def get_blob(self, request: Request) -> Response:
+    async def get_blob(self, request: Request) -> ASGIResponse:
         digest = request.path_params["digest"]
         path = self.artifacts.path(digest)
         if _role(request) == auth.WORKER:
-            worker_id = request.headers.get("x-gpulayer-worker", "")
+            worker_id = request.header(b"x-gpulayer-worker") or ""
             self._check_owner(request, worker_id)
             if not self.plane.may_fetch(worker_id, digest, self.artifacts):
                 raise auth.AuthError(403, f"worker {worker_id or '?'} was not given blob {digest}")
@@ -421,13 +417,13 @@ class Api:
         self._check_owner(request, worker_id)
         self.plane.unregister_worker(worker_id, said=True)
         self._owners.pop(worker_id, None)
-        return Response(status_code=204)
+        return Response(status=204)
 
     async def heartbeat(self, request: Request) -> Response:
         beat = await _body(request, HeartbeatRequest)
         self._check_owner(request, request.path_params["worker_id"])
         self.plane.heartbeat(request.path_params["worker_id"], stopping=beat.stopping)
-        return Response(status_code=204)
+        return Response(status=204)
 
     async def acquire(self, request: Request) -> Response:
         """The worker's long poll. With ``ack`` (what a worker of this version
@@ -436,7 +432,7 @@ class Api:
         worker_id = request.path_params["worker_id"]
         self._check_owner(request, worker_id)
         timeout = _query_float(request, "timeout", 30.0)
-        numbered = "ack" in request.query_params
+        numbered = "ack" in request.query
         ack: list[int | None] = [_query_int(request, "ack", 0) if numbered else None]
         registration = _query_generation(request)
         opened: list[tuple[Delivery, bool, int]] = []
@@ -483,12 +479,12 @@ class Api:
         report = await _body(request, TaskStarted)
         self._check_owner(request, report.worker_id)
         self.plane.task_started(report)
-        return Response(status_code=204)
+        return Response(status=204)
 
     async def task_logs(self, request: Request) -> Response:
         batch = await _body(request, LogBatch)
         self.plane.append_logs(batch.job_id, batch.attempt, batch.lines, batch.node)
-        return Response(status_code=204)
+        return Response(status=204)
 
     async def task_rendezvous(self, request: Request) -> Response:
         report = await _body(request, RendezvousReport)
@@ -496,7 +492,7 @@ class Api:
         self.plane.task_rendezvous(
             report.job_id, report.attempt, report.worker_id, report.master_port
         )
-        return Response(status_code=204)
+        return Response(status=204)
 
     async def task_finished(self, request: Request) -> Response:
         """Apply a task's result. With ``take=1`` the reply carries what waits
@@ -508,7 +504,7 @@ class Api:
         result = await _body(request, TaskResult)
         self._check_owner(request, result.worker_id)
         take = _query_int(request, "take", 0, high=1)
-        ack = _query_int(request, "ack", 0) if "ack" in request.query_params else None
+        ack = _query_int(request, "ack", 0) if "ack" in request.query else None
         registration = _query_generation(request)
         self.plane.task_finished(result, yield_to_waiters=False)
         delivery = None
@@ -543,7 +539,7 @@ class Api:
     async def openapi(self, request: Request) -> Response:
         from .openapi import document
 
-        return JSONResponse(document())
+        return _json(document())
 
 
 def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: bool = True) -> App:
