@@ -180,3 +180,30 @@ def test_a_job_cancelled_elsewhere_ends_cancelled_when_its_worker_leaves(tmp_pat
     finally:
         other_store.close()
         store.close()
+
+
+def test_a_submit_retried_with_its_id_stores_and_places_the_job_once(tmp_path: Path) -> None:
+    import pytest
+
+    from gpulayer.errors import InvalidStateError
+    from gpulayer.ids import new_id
+    from gpulayer.spec import parse_spec
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    try:
+        plane = ControlPlane(store, instance_id="test")
+        wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+        spec = parse_spec({"command": ["true"]})
+        placed, queued = new_id(), new_id()
+        first = plane.submit(spec, placed)
+        assert plane.submit(spec, placed) == first  # the reply was lost; the client asks again
+        plane.submit(spec, queued)  # the one slot is taken: this one waits
+        assert plane.submit(spec, queued).state == "queued"
+
+        assert sorted(j.id for j in plane.list_jobs()) == sorted([placed, queued])
+        assert [t.job_id for t in plane.take_instructions(wid)] == [placed]  # placed once
+        with pytest.raises(InvalidStateError, match="different spec"):
+            plane.submit(parse_spec({"command": ["false"]}), queued)
+        assert [j.id for j in plane.list_jobs(states=["queued"])] == [queued]
+    finally:
+        store.close()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford base32, lower case
+_ID = re.compile(f"[{_ALPHABET}]{{14}}")
 _RAND_BITS = 25
 _lock = threading.Lock()
 _last = (0, 0)  # (millis, random part) of the last id made here
@@ -46,5 +48,5 @@ def check_id(field: str, value: str) -> None:
     """Ids from outside (a client proposing one) must look like ours."""
     from .errors import SpecError
 
-    if len(value) != 14 or any(c not in _ALPHABET for c in value):
+    if not _ID.fullmatch(value):
         raise SpecError(field, f"a job id is 14 characters of {_ALPHABET}, got {value!r}")

@@ -24,6 +24,10 @@ from .recovery import Recovery
 from .state import Done, Pending, Snapshot, task_infos
 
 
+class _Stored(Exception):
+    """A submit's id names a job stored already (its transaction is rolled back)."""
+
+
 class ControlPlane(Fleet, Recovery):
     # ---- clients -------------------------------------------------------
 
@@ -33,11 +37,6 @@ class ControlPlane(Fleet, Recovery):
         spec = parse_spec(spec)
         if job_id is not None:
             check_id("id", job_id)
-            existing = self.store.get_job(job_id)
-            if existing is not None:
-                if existing.spec != spec:
-                    raise InvalidStateError(f"job {job_id} already exists with a different spec")
-                return existing
         now = self._clock()
         with self._lock:
             seq = self._seq + 1
@@ -61,16 +60,29 @@ class ControlPlane(Fleet, Recovery):
                     if spec.distributed:
                         job.tasks = task_infos(mine)
                 with self.store.transaction() as tx:
-                    tx.insert_job(job)
+                    if not tx.insert_job(job):  # a retried submit: the id is stored already
+                        raise _Stored
                     others = [a for a in assignments if a.job_id != job.id]
                     self._record(tx, others, now)
                     assignments = [a for a in assignments if a.job_id == job.id] + others
+            except _Stored:
+                self._dequeue(job.id)
+                return self._stored(job.id, spec)
             except BaseException:
                 self._dequeue(job.id)
                 raise
             self._seq = seq
             self._dispatch(assignments, now)
         return job
+
+    def _stored(self, job_id: str, spec: JobSpec) -> JobInfo:
+        """The job a retried submit made: the same spec, or an error."""
+        existing = self.store.get_job(job_id)
+        if existing is None:  # not a job store deletes from: cannot happen
+            raise InvalidStateError(f"job {job_id} could not be stored; submit it again")
+        if existing.spec != spec:
+            raise InvalidStateError(f"job {job_id} already exists with a different spec")
+        return existing
 
     def resolve(self, job_id: str) -> str:
         """A full id from an id or a unique prefix of one."""

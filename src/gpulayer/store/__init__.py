@@ -20,7 +20,8 @@ class Transaction(abc.ABC):
     """The writes that make up one atomic step."""
 
     @abc.abstractmethod
-    def insert_job(self, job: JobInfo) -> None: ...
+    def insert_job(self, job: JobInfo) -> bool:
+        """Store a new job; False (nothing written) if its id is stored already."""
 
     @abc.abstractmethod
     def place(

@@ -81,25 +81,28 @@ class _SqliteTransaction(Transaction):
     def __init__(self, db: sqlite3.Connection) -> None:
         self.db = db
 
-    def insert_job(self, job: JobInfo) -> None:
-        self.db.execute(
-            "INSERT INTO jobs (id, seq, name, state, priority, spec, attempt, owner, worker, slots, gpus, marks, tasks) "
-            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (
-                job.id,
-                job.seq,
-                job.spec.name,
-                job.state,
-                job.spec.priority,
-                _encode(job.spec),
-                job.attempt,
-                job.owner,
-                job.worker,
-                _encode(job.slots),
-                _encode(job.gpus),
-                _encode(job.marks),
-                _encode(job.tasks).decode() if job.tasks else None,
-            ),
+    def insert_job(self, job: JobInfo) -> bool:
+        return (
+            self.db.execute(
+                "INSERT INTO jobs (id, seq, name, state, priority, spec, attempt, owner, worker, slots, gpus, marks, tasks) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (id) DO NOTHING",
+                (
+                    job.id,
+                    job.seq,
+                    job.spec.name,
+                    job.state,
+                    job.spec.priority,
+                    _encode(job.spec),
+                    job.attempt,
+                    job.owner,
+                    job.worker,
+                    _encode(job.slots),
+                    _encode(job.gpus),
+                    _encode(job.marks),
+                    _encode(job.tasks).decode() if job.tasks else None,
+                ),
+            ).rowcount
+            == 1
         )
 
     def cancel_requested(self, job_id: str) -> bool:
