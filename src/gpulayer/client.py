@@ -326,8 +326,10 @@ class Client:
         handles' jobs that ended meanwhile, so waiting on a batch of jobs one
         by one costs about one request per batch of ends, not one per job."""
         with self._unfinished_lock:
-            candidates = (j for j in self._unfinished if j != job.id)
-            also = list(itertools.islice(candidates, defaults.WAIT_ALSO_MAX))
+            also = list(itertools.islice(self._unfinished.keys(), defaults.WAIT_ALSO_MAX + 1))
+        if job.id in also:
+            also.remove(job.id)
+        del also[defaults.WAIT_ALSO_MAX :]
         info, others, unknown = self._transport.wait_also(job.id, also, timeout)
         with self._unfinished_lock:
             for other in others:

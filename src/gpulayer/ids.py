@@ -14,12 +14,16 @@ _lock = threading.Lock()
 _last = (0, 0)  # (millis, random part) of the last id made here
 
 
+_PAIRS = [a + b for a in _ALPHABET for b in _ALPHABET]  # two digits at a time
+
+
 def _b32(value: int, width: int) -> str:
-    chars = []
-    for _ in range(width):
-        value, digit = divmod(value, 32)
-        chars.append(_ALPHABET[digit])
-    return "".join(reversed(chars))
+    """``value`` in ``width`` base-32 digits (``width`` even)."""
+    pairs = []
+    for _ in range(width // 2):
+        value, pair = divmod(value, 1024)
+        pairs.append(_PAIRS[pair])
+    return "".join(reversed(pairs))
 
 
 def new_id() -> str:
