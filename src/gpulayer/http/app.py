@@ -28,7 +28,7 @@ from ..errors import (
     JobNotFoundError,
     SpecError,
 )
-from ..jobs import STATES, LogChunk, TaskResult, TaskStarted
+from ..jobs import RUNNING, STATES, LogChunk, TaskResult, TaskStarted
 from ..service import ControlPlane
 from ..service.state import Delivery
 from ..signals import Unsubscribe
@@ -286,9 +286,10 @@ class Api:
     async def submit(self, request: Request) -> Response:
         body = await _body(request, SubmitRequest)
         job = self.plane.submit(body.spec, body.id)
-        # Placed at once? Let the worker's long poll answer first: it is on
-        # the job's path, this reply is not.
-        await asyncio.sleep(0)
+        if job.state == RUNNING:
+            # Placed at once: let the worker's long poll answer first; it is
+            # on the job's path, this reply is not.
+            await asyncio.sleep(0)
         return _json(job, 201)
 
     async def list_jobs(self, request: Request) -> Response:

@@ -165,11 +165,8 @@ class HttpTransport(Transport):
         conn.close()
 
     def _headers(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        headers = {"Accept": "application/json"}
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        if self.worker_id:
-            headers["X-GPUlayer-Worker"] = self.worker_id
+        # Only what the server reads: each header is a callback in its parser.
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         if extra:
             headers.update(extra)
         return headers
@@ -399,7 +396,9 @@ class HttpTransport(Transport):
     def download_blob(self, digest: str, cache: ArtifactStore) -> Path:
         if cache.has(digest):
             return cache.path(digest)
-        with self._exchange("GET", f"/api/v1/blobs/{digest}") as response:
+        # A worker says who it is: it may fetch only what it was given.
+        mine = {"X-GPUlayer-Worker": self.worker_id} if self.worker_id else None
+        with self._exchange("GET", f"/api/v1/blobs/{digest}", headers=mine) as response:
             writer = cache.writer(digest)
             try:
                 while chunk := response.read(_CHUNK):
