@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -250,3 +251,20 @@ def test_requests_this_client_cannot_make_right_are_refused_unsent(
 )
 def test_a_query_string_is_what_urlencode_makes(query: dict[str, object]) -> None:
     assert _query_string(query) == urllib.parse.urlencode(query, doseq=True)
+
+
+def test_a_server_that_never_answers_times_out() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        conn = Connection("127.0.0.1", port, timeout=0.05)
+        try:
+            with pytest.raises(TimeoutError):
+                conn.request("GET", "/x", {})
+            assert conn.sock is not None
+            conn.settimeout(0.3)  # on the open connection: the next request waits longer
+            start = time.monotonic()
+            with pytest.raises(TimeoutError):
+                conn.request("GET", "/x", {})
+            assert time.monotonic() - start >= 0.29
+        finally:
+            conn.close()
