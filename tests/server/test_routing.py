@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
+
+import pytest
 
 from gpulayer.http.routing import App, Request, Response, json_response
 from server.rawhttp import asgi_request
@@ -86,3 +89,18 @@ def test_the_lifespan_runs_around_the_server() -> None:
     asyncio.run(app({"type": "lifespan"}, receive, send))  # type: ignore[arg-type]
     assert events == ["up", "down"]
     assert sent == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"a=1&b=2&a=3", b"take=1&ack=5&gen=9", b"x", b"x=&y", b"&&a=1&", b"s=a+b%20c&t=%2F"],
+)
+def test_a_query_string_is_read_as_parse_qsl_reads_it(raw: bytes) -> None:
+    expected: dict[str, list[str]] = {}
+    for name, value in urllib.parse.parse_qsl(raw.decode(), keep_blank_values=True):
+        expected.setdefault(name, []).append(value)
+    assert Request({"query_string": raw}, _no_receive, {}).query == expected
+
+
+async def _no_receive() -> dict[str, Any]:
+    raise AssertionError("no body here")

@@ -37,6 +37,11 @@ Lifespan = Callable[[Any], AbstractAsyncContextManager[None]]
 
 _PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
 _encoder = msgspec.json.Encoder()
+_JSON = (b"content-type", b"application/json")
+
+
+def _unquote(text: str) -> str:
+    return urllib.parse.unquote_plus(text, errors="replace")
 
 
 class ClientDisconnect(Exception):
@@ -73,11 +78,15 @@ class Request:
         if self._query is None:
             self._query = {}
             raw: bytes = self.scope.get("query_string", b"")
-            if raw:
-                for name, value in urllib.parse.parse_qsl(
-                    raw.decode("latin-1"), keep_blank_values=True
-                ):
-                    self._query.setdefault(name, []).append(value)
+            # As parse_qsl(keep_blank_values=True) parses it, but unquoting
+            # only what needs it: the API's values are numbers and ids.
+            for part in raw.decode("latin-1").split("&") if raw else ():
+                if not part:
+                    continue
+                name, _, value = part.partition("=")
+                if "%" in part or "+" in part:
+                    name, value = _unquote(name), _unquote(value)
+                self._query.setdefault(name, []).append(value)
         return self._query
 
     def query_value(self, name: str) -> str | None:
@@ -114,7 +123,7 @@ class Request:
 class Response:
     """A whole response: status, headers, body."""
 
-    __slots__ = ("body", "headers", "status")
+    __slots__ = ("_json", "body", "headers", "status")
 
     def __init__(
         self,
@@ -127,11 +136,14 @@ class Response:
         self.status = status
         self.body = body
         self.headers = dict(headers or {})
-        if media_type is not None:
+        self._json = media_type == "application/json"  # its header is made once, here
+        if media_type is not None and not self._json:
             self.headers["content-type"] = media_type
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in self.headers.items()]
+        if self._json:
+            raw.append(_JSON)
         if self.status >= 200 and self.status not in (204, 304):  # those have no body
             raw.append((b"content-length", b"%d" % len(self.body)))
         await send({"type": "http.response.start", "status": self.status, "headers": raw})
