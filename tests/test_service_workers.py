@@ -207,3 +207,54 @@ def test_a_submit_retried_with_its_id_stores_and_places_the_job_once(tmp_path: P
         assert [j.id for j in plane.list_jobs(states=["queued"])] == [queued]
     finally:
         store.close()
+
+
+def test_a_finish_takes_the_next_task_without_waking_the_long_poll(tmp_path: Path) -> None:
+    from gpulayer.jobs import RunTask, TaskResult
+    from gpulayer.spec import parse_spec
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    try:
+        plane = ControlPlane(store, instance_id="test")
+        wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+        first, second = (plane.submit(parse_spec({"command": ["true"]})).id for _ in range(2))
+        taken = plane.take_delivery(wid)
+        assert taken is not None and [t.job_id for t in taken.items] == [first]  # type: ignore[union-attr]
+        woken: list[bool] = []
+        _, unsubscribe, _ = plane.watch_worker(wid, lambda: woken.append(True), numbered=True)
+        assert unsubscribe is not None  # the long poll waits
+
+        done = TaskResult(job_id=first, attempt=1, worker_id=wid, outcome="exited", exit_code=0)
+        delivery = plane.finish_and_take(done, ack=taken.first)
+
+        assert delivery is not None
+        assert [(type(t), t.job_id) for t in delivery.items] == [(RunTask, second)]  # type: ignore[union-attr]
+        assert woken == []  # the reply brings it; the long poll has nothing to wake for
+        assert plane.get(first).state == "succeeded"
+    finally:
+        store.close()
+
+
+def test_a_finish_from_an_old_registration_wakes_the_new_long_poll(tmp_path: Path) -> None:
+    from gpulayer.jobs import TaskResult
+    from gpulayer.spec import parse_spec
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    try:
+        plane = ControlPlane(store, instance_id="test")
+        info = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None]))
+        first, second = (plane.submit(parse_spec({"command": ["true"]})).id for _ in range(2))
+        plane.take_delivery(info.id)
+        old = plane.generation(info.id)
+        plane.register_worker(info, [(first, 1)])  # it came back, still running the first
+        woken: list[bool] = []
+        _, unsubscribe, _ = plane.watch_worker(info.id, lambda: woken.append(True), numbered=True)
+        assert unsubscribe is not None
+
+        done = TaskResult(job_id=first, attempt=1, worker_id=info.id, outcome="exited", exit_code=0)
+        assert plane.finish_and_take(done, old) is None  # a report of the old registration
+
+        assert woken == [True]  # the second job waits for the new long poll, which wakes
+        assert [t.job_id for t in plane.take_instructions(info.id)] == [second]  # type: ignore[union-attr]
+    finally:
+        store.close()

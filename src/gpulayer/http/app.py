@@ -507,12 +507,13 @@ class Api:
         take = _query_int(request, "take", 0, high=1)
         ack = _query_int(request, "ack", 0) if "ack" in request.query else None
         registration = _query_generation(request)
-        self.plane.task_finished(result, yield_to_waiters=False)
         delivery = None
         if take:
             # From an earlier registration of the worker: its numbers mean
             # nothing now, and it takes nothing (None).
-            delivery = self.plane.take_delivery(result.worker_id, registration, ack=ack)
+            delivery = self.plane.finish_and_take(result, registration, ack=ack)
+        else:
+            self.plane.task_finished(result, yield_to_waiters=False)
         # The waiting client's reply (and a next task's) go before this one.
         await asyncio.sleep(0)
         if not take:

@@ -51,6 +51,9 @@ class PlaneCore:
         self._clock = clock
         self._kill_orphan = kill_orphan
         self._lock = threading.Lock()
+        # A worker whose report is taking what is placed on it (see
+        # Fleet.finish_and_take): its long poll is not woken for that.
+        self._taking: str | None = None
         self._logs: dict[str, Signal] = {}  # job id -> followers of its logs
         self._queue: dict[str, Pending] = {}
         # The queue's keys in rank order, so placement reads only its head.
@@ -297,7 +300,8 @@ class PlaneCore:
                         master_addr=master,
                     )
                 )
-                worker.wake.fire()
+                if task.worker_id != self._taking:
+                    worker.wake.fire()
 
     def _release(self, job_id: str) -> Running:
         run = self._running.pop(job_id)

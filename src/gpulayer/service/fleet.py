@@ -258,6 +258,32 @@ class Fleet(PlaneCore):
                 return []
             return self._drain(worker)
 
+    def finish_and_take(
+        self, result: TaskResult, generation: int | None = None, *, ack: int | None = None
+    ) -> Delivery | None:
+        """:meth:`task_finished`, then :meth:`take_delivery` for the reporting
+        worker: what its end placed on it goes back in the reply to its report.
+
+        That placement does not wake the worker's long poll as well: it would
+        only find the delivery taken, and wait again (a wasted turn of the
+        server per job in a stream of short jobs). If the report cannot take
+        it (the worker registered again since), the long poll is woken after all.
+        """
+        with self._lock:
+            self._taking = result.worker_id
+        try:
+            self.task_finished(result, yield_to_waiters=False)
+        finally:
+            with self._lock:
+                self._taking = None
+        delivery = self.take_delivery(result.worker_id, generation, ack=ack)
+        if delivery is None:
+            with self._lock:
+                worker = self._workers.get(result.worker_id)
+                if worker is not None and worker.inbox:
+                    worker.wake.fire()
+        return delivery
+
     def take_delivery(
         self, worker_id: str, generation: int | None = None, *, ack: int | None = None
     ) -> Delivery | None:
