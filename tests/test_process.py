@@ -309,3 +309,38 @@ def test_gone_process_has_no_orphans(procs: Procs) -> None:
     gone, _ = procs.start("pass")
     gone.wait(timeout=20)
     assert kill_orphans(gone.pid, time.time(), grace=GRACE) is False
+
+
+def test_a_spawn_that_runs_out_of_descriptors_leaks_none(tmp_path: Path) -> None:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    spawn(
+        [sys.executable, "-c", "pass"], cwd=tmp_path, env=os.environ
+    ).communicate()  # /dev/null opened
+    held: list[int] = []
+    try:
+        while True:  # fill the table but for two: the first pipe, not the second
+            try:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        for _ in range(2):
+            os.close(held.pop())
+        free = _free_fds(soft)
+        with pytest.raises(OSError):
+            spawn([sys.executable, "-c", "pass"], cwd=tmp_path, env=os.environ)
+        assert _free_fds(soft) == free
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _free_fds(limit: int) -> list[int]:
+    free = []
+    for fd in range(limit):
+        try:
+            os.fstat(fd)
+        except OSError:
+            free.append(fd)
+    return free

@@ -187,6 +187,7 @@ def test_a_submit_retried_with_its_id_stores_and_places_the_job_once(tmp_path: P
 
     from gpulayer.errors import InvalidStateError
     from gpulayer.ids import new_id
+    from gpulayer.jobs import TaskResult
     from gpulayer.spec import parse_spec
 
     store = SqliteStore(tmp_path / "db.sqlite")
@@ -205,6 +206,12 @@ def test_a_submit_retried_with_its_id_stores_and_places_the_job_once(tmp_path: P
         with pytest.raises(InvalidStateError, match="different spec"):
             plane.submit(parse_spec({"command": ["false"]}), queued)
         assert [j.id for j in plane.list_jobs(states=["queued"])] == [queued]
+
+        # The queued one is still queued in memory too: the slot frees, it runs.
+        done = TaskResult(job_id=placed, attempt=1, worker_id=wid, outcome="exited", exit_code=0)
+        plane.task_finished(done)
+        assert [t.job_id for t in plane.take_instructions(wid)] == [queued]  # type: ignore[union-attr]
+        assert plane.get(placed).state == "succeeded"
     finally:
         store.close()
 

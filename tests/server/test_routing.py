@@ -104,3 +104,9 @@ def test_a_query_string_is_read_as_parse_qsl_reads_it(raw: bytes) -> None:
 
 async def _no_receive() -> dict[str, Any]:
     raise AssertionError("no body here")
+
+
+def test_a_query_parameter_given_twice_counts_with_its_last_value() -> None:
+    request = Request({"query_string": b"limit=5&limit=1"}, _no_receive, {})
+    assert request.query_value("limit") == "1"
+    assert request.query_value("absent") is None

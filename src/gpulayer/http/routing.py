@@ -90,9 +90,10 @@ class Request:
         return self._query
 
     def query_value(self, name: str) -> str | None:
-        """The first value of query parameter ``name``, or None."""
+        """The value of query parameter ``name`` (the last, if it is given
+        more than once, as Starlette had it), or None."""
         values = self.query.get(name)
-        return values[0] if values else None
+        return values[-1] if values else None
 
     async def stream(self) -> AsyncIterator[bytes]:
         """The body, as it arrives."""

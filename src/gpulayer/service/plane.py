@@ -39,6 +39,12 @@ class ControlPlane(Fleet, Recovery):
             check_id("id", job_id)
         now = self._clock()
         with self._lock:
+            if job_id is not None and (
+                job_id in self._queue or job_id in self._running or job_id in self._finished
+            ):
+                # A retried submit of a job this plane holds: answered before
+                # anything in memory is touched (its queue entry stays whole).
+                return self._stored(job_id, spec)
             seq = self._seq + 1
             job = JobInfo(
                 id=job_id or new_id(),

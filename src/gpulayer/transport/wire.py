@@ -16,7 +16,9 @@ Timeouts: on Linux a plain TCP connection is a blocking socket with the
 kernel's send and receive timeouts (``SO_SNDTIMEO``, ``SO_RCVTIMEO``). A
 Python socket timeout polls before every send and every receive instead: two
 more system calls per request, each dear on a machine whose caches the jobs
-keep cold. A timeout raises ``TimeoutError`` either way.
+keep cold. A timeout raises ``TimeoutError`` either way. The kernel's send
+timeout bounds each wait for room to send, so a large upload fails when the
+server stops reading, not when it reads slowly.
 """
 
 from __future__ import annotations

@@ -31,8 +31,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Every task's stdin (close-on-exec here; the child gets it as its fd 0).
-_DEVNULL = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+_DEVNULL: int | None = None
+
+
+def _devnull() -> int:
+    """Every task's stdin, opened once, at the first spawn rather than at
+    import (close-on-exec here; the child gets it as its fd 0)."""
+    global _DEVNULL
+    fd = _DEVNULL
+    if fd is None:
+        fd = _DEVNULL = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    return fd
+
 
 # How long to wait for processes to vanish after SIGKILL. They cannot refuse;
 # only one stuck in the kernel (e.g. a wedged GPU driver) takes longer.
@@ -56,30 +66,32 @@ def spawn(
     is opened once, not by ``Popen`` for each task: a sixth of its cost.
 
     Its start time, for telling it from a later process on the same pid, is
-    ``time.time()`` read just before this call. Reading ``/proc/<pid>/stat``
+    ``time.time()`` read just before this call (for each process: ranks of a
+    node start one after another). Reading ``/proc/<pid>/stat``
     instead blocks until the child has finished loading its program: about
     3 ms of the launching thread and 0.1 ms of its CPU per task, measured.
     """
-    out_read, out_write = os.pipe()
-    err_read, err_write = os.pipe()
+    fds: list[int] = []
     try:
+        fds.extend(os.pipe())
+        fds.extend(os.pipe())
+        out_read, out_write, err_read, err_write = fds
         proc = subprocess.Popen(
             list(argv),
             cwd=cwd,
             env=env,
-            stdin=_DEVNULL,
+            stdin=_devnull(),
             stdout=out_write,
             stderr=err_write,
             start_new_session=True,
             close_fds=True,
         )
     except BaseException:
-        os.close(out_read)
-        os.close(err_read)
+        for fd in fds:
+            os.close(fd)
         raise
-    finally:
-        os.close(out_write)
-        os.close(err_write)
+    os.close(out_write)
+    os.close(err_write)
     proc.stdout = open(out_read, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
     proc.stderr = open(err_read, "rb", buffering=0)  # noqa: SIM115
     return proc

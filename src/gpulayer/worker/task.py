@@ -290,15 +290,21 @@ class TaskRun:
             if self._ending is not None:
                 self._early = self._result(self._ending)
                 return
-            spawned = time.time()  # the processes' start time, as process.spawn says
             if spec.distributed:
                 self._spawn_ranks(argv, ws.cwd, env)
             else:
-                self._procs = [spawn(argv, cwd=ws.cwd, env=env)]
+                self._spawn(argv, ws.cwd, env)
         self.marks["started"] = time.time()
-        self._proc_times = [(p.pid, spawned) for p in self._procs]
         if self.on_spawned is not None:
             self.on_spawned(self, self._proc_times)
+
+    def _spawn(self, argv: list[str], cwd: Path, env: dict[bytes, bytes]) -> None:
+        """Start one of the task's processes, noting its pid and start time
+        (the clock just before the spawn, as process.spawn says)."""
+        at = time.time()
+        proc = spawn(argv, cwd=cwd, env=env)
+        self._procs.append(proc)
+        self._proc_times.append((proc.pid, at))
 
     def _spawn_ranks(self, argv: list[str], cwd: Path, env: dict[bytes, bytes]) -> None:
         """This node's ranks (direct launcher) or its torchrun agent."""
@@ -323,7 +329,7 @@ class TaskRun:
                 master_port=self._master_port,
                 log_dir=str(self.dir / "torchrun"),
             )
-            self._procs = [spawn(agent, cwd=cwd, env=agent_env)]
+            self._spawn(agent, cwd, agent_env)
             return
         self._ranks = []
         try:
@@ -338,7 +344,7 @@ class TaskRun:
                 own = env.copy()
                 for key, value in rank_vars.items():
                     own[os.fsencode(key)] = os.fsencode(value)
-                self._procs.append(spawn(argv, cwd=cwd, env=own))
+                self._spawn(argv, cwd, own)
                 self._ranks.append(int(rank_vars["RANK"]))
         except BaseException:
             self._terminate(self._procs)
