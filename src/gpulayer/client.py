@@ -224,11 +224,13 @@ class Client:
             draft["bundle"] = placeholder
         input_paths = self._check_inputs(inputs or {})
         draft["inputs"] = {n: {"kind": "file", "digest": placeholder} for n in input_paths}
-        parse_spec(draft)
-        if source_dir is not None:
-            fields["bundle"], _ = self._pack_tree(source_dir, "source")
-        fields["inputs"] = {name: self._pack_input(path) for name, path in input_paths.items()}
-        info = self._transport.submit(parse_spec(fields))
+        spec = parse_spec(draft)
+        if source_dir is not None or input_paths:  # the real digests replace the placeholders
+            if source_dir is not None:
+                fields["bundle"], _ = self._pack_tree(source_dir, "source")
+            fields["inputs"] = {name: self._pack_input(path) for name, path in input_paths.items()}
+            spec = parse_spec(fields)
+        info = self._transport.submit(spec)
         if self._embedded is not None and self._auto_worker and not self._embedded.workers:
             self._embedded.ensure_local_workers(1)
         return Job(self, info, source_dir)
