@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
-from gpulayer.jobs import WorkerInfo
+import pytest
+
+from gpulayer.errors import InvalidStateError
+from gpulayer.ids import new_id
+from gpulayer.jobs import RunTask, TaskResult, WorkerInfo
 from gpulayer.service import ControlPlane
+from gpulayer.spec import parse_spec
 from gpulayer.store.sqlite import SqliteStore
 
 
@@ -182,86 +188,77 @@ def test_a_job_cancelled_elsewhere_ends_cancelled_when_its_worker_leaves(tmp_pat
         store.close()
 
 
-def test_a_submit_retried_with_its_id_stores_and_places_the_job_once(tmp_path: Path) -> None:
-    import pytest
-
-    from gpulayer.errors import InvalidStateError
-    from gpulayer.ids import new_id
-    from gpulayer.jobs import TaskResult
-    from gpulayer.spec import parse_spec
-
+@pytest.fixture
+def plane(tmp_path: Path) -> Iterator[ControlPlane]:
     store = SqliteStore(tmp_path / "db.sqlite")
     try:
-        plane = ControlPlane(store, instance_id="test")
-        wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
-        spec = parse_spec({"command": ["true"]})
-        placed, queued = new_id(), new_id()
-        first = plane.submit(spec, placed)
-        assert plane.submit(spec, placed) == first  # the reply was lost; the client asks again
-        plane.submit(spec, queued)  # the one slot is taken: this one waits
-        assert plane.submit(spec, queued).state == "queued"
-
-        assert sorted(j.id for j in plane.list_jobs()) == sorted([placed, queued])
-        assert [t.job_id for t in plane.take_instructions(wid)] == [placed]  # placed once
-        with pytest.raises(InvalidStateError, match="different spec"):
-            plane.submit(parse_spec({"command": ["false"]}), queued)
-        assert [j.id for j in plane.list_jobs(states=["queued"])] == [queued]
-
-        # The queued one is still queued in memory too: the slot frees, it runs.
-        done = TaskResult(job_id=placed, attempt=1, worker_id=wid, outcome="exited", exit_code=0)
-        plane.task_finished(done)
-        assert [t.job_id for t in plane.take_instructions(wid)] == [queued]  # type: ignore[union-attr]
-        assert plane.get(placed).state == "succeeded"
+        yield ControlPlane(store, instance_id="test")
     finally:
         store.close()
 
 
-def test_a_finish_takes_the_next_task_without_waking_the_long_poll(tmp_path: Path) -> None:
-    from gpulayer.jobs import RunTask, TaskResult
-    from gpulayer.spec import parse_spec
-
-    store = SqliteStore(tmp_path / "db.sqlite")
-    try:
-        plane = ControlPlane(store, instance_id="test")
-        wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
-        first, second = (plane.submit(parse_spec({"command": ["true"]})).id for _ in range(2))
-        taken = plane.take_delivery(wid)
-        assert taken is not None and [t.job_id for t in taken.items] == [first]  # type: ignore[union-attr]
-        woken: list[bool] = []
-        _, unsubscribe, _ = plane.watch_worker(wid, lambda: woken.append(True), numbered=True)
-        assert unsubscribe is not None  # the long poll waits
-
-        done = TaskResult(job_id=first, attempt=1, worker_id=wid, outcome="exited", exit_code=0)
-        delivery = plane.finish_and_take(done, ack=taken.first)
-
-        assert delivery is not None
-        assert [(type(t), t.job_id) for t in delivery.items] == [(RunTask, second)]  # type: ignore[union-attr]
-        assert woken == []  # the reply brings it; the long poll has nothing to wake for
-        assert plane.get(first).state == "succeeded"
-    finally:
-        store.close()
+def _one_slot(plane: ControlPlane) -> WorkerInfo:
+    return plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None]))
 
 
-def test_a_finish_from_an_old_registration_wakes_the_new_long_poll(tmp_path: Path) -> None:
-    from gpulayer.jobs import TaskResult
-    from gpulayer.spec import parse_spec
+def _ended(job_id: str, worker_id: str) -> TaskResult:
+    return TaskResult(job_id=job_id, attempt=1, worker_id=worker_id, outcome="exited", exit_code=0)
 
-    store = SqliteStore(tmp_path / "db.sqlite")
-    try:
-        plane = ControlPlane(store, instance_id="test")
-        info = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None]))
-        first, second = (plane.submit(parse_spec({"command": ["true"]})).id for _ in range(2))
-        plane.take_delivery(info.id)
-        old = plane.generation(info.id)
-        plane.register_worker(info, [(first, 1)])  # it came back, still running the first
-        woken: list[bool] = []
-        _, unsubscribe, _ = plane.watch_worker(info.id, lambda: woken.append(True), numbered=True)
-        assert unsubscribe is not None
 
-        done = TaskResult(job_id=first, attempt=1, worker_id=info.id, outcome="exited", exit_code=0)
-        assert plane.finish_and_take(done, old) is None  # a report of the old registration
+def _job_ids(items: object) -> list[str]:
+    return [item.job_id for item in items]  # type: ignore[attr-defined]
 
-        assert woken == [True]  # the second job waits for the new long poll, which wakes
-        assert [t.job_id for t in plane.take_instructions(info.id)] == [second]  # type: ignore[union-attr]
-    finally:
-        store.close()
+
+def test_a_submit_retried_with_its_id_stores_and_places_the_job_once(plane: ControlPlane) -> None:
+    wid = _one_slot(plane).id
+    spec = parse_spec({"command": ["true"]})
+    placed, queued = new_id(), new_id()
+    first = plane.submit(spec, placed)
+    assert plane.submit(spec, placed) == first  # the reply was lost; the client asks again
+    plane.submit(spec, queued)  # the one slot is taken: this one waits
+    assert plane.submit(spec, queued).state == "queued"
+
+    assert sorted(j.id for j in plane.list_jobs()) == sorted([placed, queued])
+    assert _job_ids(plane.take_instructions(wid)) == [placed]  # placed once
+    with pytest.raises(InvalidStateError, match="different spec"):
+        plane.submit(parse_spec({"command": ["false"]}), queued)
+    assert [j.id for j in plane.list_jobs(states=["queued"])] == [queued]
+
+    # The queued one is still queued in memory too: the slot frees, it runs.
+    plane.task_finished(_ended(placed, wid))
+    assert _job_ids(plane.take_instructions(wid)) == [queued]
+    assert plane.get(placed).state == "succeeded"
+
+
+def test_a_finish_takes_the_next_task_without_waking_the_long_poll(plane: ControlPlane) -> None:
+    wid = _one_slot(plane).id
+    first, second = (plane.submit(parse_spec({"command": ["true"]})).id for _ in range(2))
+    taken = plane.take_delivery(wid)
+    assert taken is not None and _job_ids(taken.items) == [first]
+    woken: list[bool] = []
+    _, unsubscribe, _ = plane.watch_worker(wid, lambda: woken.append(True), numbered=True)
+    assert unsubscribe is not None  # the long poll waits
+
+    delivery = plane.finish_and_take(_ended(first, wid), ack=taken.first)
+
+    assert delivery is not None
+    assert [type(item) for item in delivery.items] == [RunTask]
+    assert _job_ids(delivery.items) == [second]
+    assert woken == []  # the reply brings it; the long poll has nothing to wake for
+    assert plane.get(first).state == "succeeded"
+
+
+def test_a_finish_from_an_old_registration_wakes_the_new_long_poll(plane: ControlPlane) -> None:
+    info = _one_slot(plane)
+    first, second = (plane.submit(parse_spec({"command": ["true"]})).id for _ in range(2))
+    plane.take_delivery(info.id)
+    old = plane.generation(info.id)
+    plane.register_worker(info, [(first, 1)])  # it came back, still running the first
+    woken: list[bool] = []
+    _, unsubscribe, _ = plane.watch_worker(info.id, lambda: woken.append(True), numbered=True)
+    assert unsubscribe is not None
+
+    assert plane.finish_and_take(_ended(first, info.id), old) is None  # the old registration's
+
+    assert woken == [True]  # the second job waits for the new long poll, which wakes
+    assert _job_ids(plane.take_instructions(info.id)) == [second]
