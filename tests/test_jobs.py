@@ -311,3 +311,16 @@ def test_a_flood_of_output_is_kept_whole_and_in_order(client: gpulayer.Client) -
     texts = [line.text for line in job.stream_logs(follow=False)]
     assert len(texts) == n and texts[0] == "0" and texts[-1] == str(n - 1)
     assert texts == [str(i) for i in range(n)]
+
+
+def test_a_write_the_store_refuses_delays_a_report_and_loses_nothing(
+    client: gpulayer.Client,
+) -> None:
+    from test_store import _FailingCommit
+
+    assert client._embedded is not None
+    store = client._embedded.store
+    job = client.submit(command=[PY, "-c", "print('done')"])
+    store._db = _FailingCommit(store._db)  # type: ignore[assignment]  # the next write fails
+    assert job.wait(timeout=60) == "succeeded"  # its worker's report went again
+    assert job.logs().strip() == "done"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer.errors import InvalidStateError
+from gpulayer.errors import InvalidStateError, StoreError
 from gpulayer.ids import new_id
 from gpulayer.jobs import RunTask, TaskResult, WorkerInfo
 from gpulayer.service import ControlPlane
@@ -262,3 +262,38 @@ def test_a_finish_from_an_old_registration_wakes_the_new_long_poll(plane: Contro
 
     assert woken == [True]  # the second job waits for the new long poll, which wakes
     assert _job_ids(plane.take_instructions(info.id)) == [second]
+
+
+def _fail_next_commit(plane: ControlPlane) -> None:
+    from test_store import _FailingCommit
+
+    store = plane.store
+    assert isinstance(store, SqliteStore)
+    store._db = _FailingCommit(store._db)  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("code", [0, 1])  # a job that ends; one that fails and is retried
+def test_a_result_the_store_refused_applies_when_sent_again(plane: ControlPlane, code: int) -> None:
+    wid = _one_slot(plane).id
+    spec = parse_spec({"command": ["true"], "max_retries": 1})
+    job, waiting = plane.submit(spec).id, plane.submit(spec).id
+    assert _job_ids(plane.take_instructions(wid)) == [job]
+    ended = TaskResult(job_id=job, attempt=1, worker_id=wid, outcome="exited", exit_code=code)
+
+    _fail_next_commit(plane)
+    with pytest.raises(StoreError, match="disk is full"):
+        plane.task_finished(ended)
+    # Nothing changed: the job still runs on its slot, the other still waits.
+    assert plane.get(job).state == "running"
+    assert plane.take_instructions(wid) == []
+    assert [j.id for j in plane.list_jobs(states=["queued"])] == [waiting]
+
+    plane.task_finished(ended)  # the worker's report, sent again
+    after = plane.get(job)
+    if code == 0:
+        assert after.state == "succeeded"
+        assert _job_ids(plane.take_instructions(wid)) == [waiting]  # the freed slot's next job
+    else:  # retried once, first in line again (it was submitted first)
+        assert (after.state, after.attempt) == ("running", 2)
+        assert _job_ids(plane.take_instructions(wid)) == [job]
+        assert [j.id for j in plane.list_jobs(states=["queued"])] == [waiting]

@@ -17,7 +17,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from gpulayer.transport.http import _query_string
+from gpulayer.errors import ServerUnreachable
+from gpulayer.transport.http import HttpTransport, _query_string
 from gpulayer.transport.wire import Connection, Disconnected, ProtocolError
 
 
@@ -268,3 +269,16 @@ def test_a_server_that_never_answers_times_out() -> None:
             assert time.monotonic() - start >= 0.29
         finally:
             conn.close()
+
+
+def test_a_503_means_send_it_again_later() -> None:
+    body = b'{"error": "the job store failed: disk is full; nothing was changed, try again"}'
+    reply = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    with canned(reply) as server:
+        transport = HttpTransport(f"http://127.0.0.1:{server.port}", retries=1)
+        try:
+            # The worker's outbox keeps a report that raised this, and sends it again.
+            with pytest.raises(ServerUnreachable, match="disk is full"):
+                transport.get_job("j")
+        finally:
+            transport.close()

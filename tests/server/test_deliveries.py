@@ -180,3 +180,33 @@ def test_an_acknowledgement_from_an_earlier_registration_confirms_nothing(
     items, seq = _acquire(server, wid, f"timeout=5&ack=0&gen={new}")
     assert ([i["job_id"] for i in items], seq) == ([job_id], "1")
     assert _acquire(server, wid, f"timeout=5&ack=1&gen={old}") == ([], "0")
+
+
+def test_a_report_the_store_refused_is_a_503_and_applies_when_sent_again(tmp_path: Path) -> None:
+    from test_store import _FailingCommit
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    plane = ControlPlane(store, instance_id="test")
+    app = create_app(plane, ArtifactStore(tmp_path / "blobs"), auth_enabled=False)
+    wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+    first, second = (plane.submit(parse_spec({"command": ["true"]})).id for _ in range(2))
+    report = {"job_id": first, "attempt": 1, "worker_id": wid, "outcome": "exited", "exit_code": 0}
+
+    async def scenario() -> None:
+        status, items, _ = await _call(app, "POST", f"/api/v1/workers/{wid}/acquire", "ack=0")
+        assert (status, [i["job_id"] for i in items]) == (200, [first])
+        store._db = _FailingCommit(store._db)  # type: ignore[assignment]
+        status, body, _ = await _call(app, "POST", "/api/v1/tasks/finished", "take=1&ack=1", report)
+        assert status == 503
+        assert "disk is full" in body["error"] and "try again" in body["error"]
+        assert plane.get(first).state == "running"
+        status, items, _ = await _call(
+            app, "POST", "/api/v1/tasks/finished", "take=1&ack=1", report
+        )
+        assert (status, [i["job_id"] for i in items]) == (200, [second])
+        assert plane.get(first).state == "succeeded"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()

@@ -27,6 +27,7 @@ from ..errors import (
     InvalidStateError,
     JobNotFoundError,
     SpecError,
+    StoreError,
 )
 from ..jobs import RUNNING, STATES, LogChunk, TaskResult, TaskStarted
 from ..service import ControlPlane
@@ -276,6 +277,9 @@ class Api:
                 return _error(409, str(exc))
             except ArtifactError as exc:
                 return _error(400, str(exc))
+            except StoreError as exc:  # the server's, not the request's: worth sending again
+                log.error("%s %s: %s", request.method, request.scope["path"], exc)
+                return _error(503, f"{exc}; nothing was changed, try again")
             except GPUlayerError as exc:
                 return _error(400, str(exc))
 

@@ -251,7 +251,8 @@ def document() -> dict[str, Any]:
             }
         else:
             op["responses"]["204" if path != "/healthz" else "200"] = {"description": "ok"}
-        for status in ("400", "401", "403", "404", "409", "422"):
+        # 503: the job store failed (a full disk); nothing changed, send it again.
+        for status in ("400", "401", "403", "404", "409", "422", "503"):
             op["responses"][status] = error
         if path not in ("/healthz",):
             op["security"] = [{"bearer": []}]

@@ -96,24 +96,28 @@ class PlaneCore:
         self._release(job_id)
         if again:
             self._requeue(job_id, run)
-        assignments = self._plan()
-        with self.store.transaction() as tx:
-            if again:
-                tx.requeue(
-                    job_id,
-                    reason=f"retrying after attempt {run.attempt} {state}: {reason}",
-                    owner=self.instance_id,
-                )
-            else:
-                tx.finish(
-                    job_id,
-                    state=state,
-                    exit_code=result.exit_code,
-                    reason=reason,
-                    marks=marks,
-                    outputs=result.outputs,
-                )
-            self._record(tx, assignments, now)
+        try:
+            assignments = self._plan()
+            with self.store.transaction() as tx:
+                if again:
+                    tx.requeue(
+                        job_id,
+                        reason=f"retrying after attempt {run.attempt} {state}: {reason}",
+                        owner=self.instance_id,
+                    )
+                else:
+                    tx.finish(
+                        job_id,
+                        state=state,
+                        exit_code=result.exit_code,
+                        reason=reason,
+                        marks=marks,
+                        outputs=result.outputs,
+                    )
+                self._record(tx, assignments, now)
+        except BaseException:
+            self._unrelease(job_id, run, requeued=again)
+            raise
         self._dispatch(assignments, now)
         if not again:
             first = run.tasks[0]
@@ -146,17 +150,23 @@ class PlaneCore:
         task.ended = True
         self._release_task(job_id, task)
         run.results.append(result)
-        failed = not (result.outcome == "exited" and result.exit_code == 0)
-        if failed and result.outcome != "cancelled" and len(failures(run)) == 1:
-            self._cancel_tasks(job_id, run)
-        if all(t.ended for t in run.tasks):
-            return self._conclude(job_id, run, decisive(run), now)
-        # Kept, so that a restarted server knows this node is done and how;
-        # and its slots are free: something else may fit now.
-        assignments = self._plan()
-        with self.store.transaction() as tx:
-            tx.task_ended(job_id, task.node, result)
-            self._record(tx, assignments, now)
+        try:
+            failed = not (result.outcome == "exited" and result.exit_code == 0)
+            if failed and result.outcome != "cancelled" and len(failures(run)) == 1:
+                self._cancel_tasks(job_id, run)
+            if all(t.ended for t in run.tasks):
+                return self._conclude(job_id, run, decisive(run), now)
+            # Kept, so that a restarted server knows this node is done and how;
+            # and its slots are free: something else may fit now.
+            assignments = self._plan()
+            with self.store.transaction() as tx:
+                tx.task_ended(job_id, task.node, result)
+                self._record(tx, assignments, now)
+        except BaseException:  # not stored: this node runs on, as far as anyone knows
+            task.ended = False
+            run.results.remove(result)
+            self._occupy(job_id, task)
+            raise
         self._dispatch(assignments, now)
         return False
 
@@ -309,6 +319,23 @@ class PlaneCore:
             if not task.ended:
                 self._release_task(job_id, task)
         return run
+
+    def _unrelease(self, job_id: str, run: Running, *, requeued: bool) -> None:
+        """Undo :meth:`_release` (and a requeue) when the store refused the
+        write that ended the attempt: memory matches the store again (still
+        running), so the worker's report, sent again, applies then."""
+        if requeued:
+            self._dequeue(job_id)
+        self._running[job_id] = run
+        for task in run.tasks:
+            if not task.ended:
+                self._occupy(job_id, task)
+
+    def _occupy(self, job_id: str, task: NodeTask) -> None:
+        worker = self._workers.get(task.worker_id)
+        if worker is not None:
+            worker.free.difference_update(task.slots)
+            worker.running.add(job_id)
 
     def _release_task(self, job_id: str, task: NodeTask) -> None:
         worker = self._workers.get(task.worker_id)

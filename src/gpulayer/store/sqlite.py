@@ -330,14 +330,19 @@ class SqliteStore(Store):
 
     @contextmanager
     def transaction(self) -> Iterator[Transaction]:
+        """All or nothing. A write SQLite refuses (a full disk, an I/O error)
+        raises :class:`StoreError`, with nothing written."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
             try:
+                self._db.execute("BEGIN IMMEDIATE")
                 yield _SqliteTransaction(self._db)
-            except BaseException:
-                self._db.execute("ROLLBACK")
+                self._db.execute("COMMIT")
+            except BaseException as exc:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"the job store at {self.path} failed: {exc}") from exc
                 raise
-            self._db.execute("COMMIT")
 
     def _outputs(self, job_ids: Sequence[str]) -> dict[str, dict[str, ArtifactRef]]:
         found: dict[str, dict[str, ArtifactRef]] = {}

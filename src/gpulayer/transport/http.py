@@ -260,6 +260,8 @@ class HttpTransport(Transport):
             error = SpecError(str(data["field"]), "")
             error.args = (message,)
             return error
+        if status == 503:  # it could not do it now, and changed nothing: send it again later
+            return ServerUnreachable(f"the server is unavailable ({status}): {message}")
         if status >= 500:
             return TransportError(f"the server failed ({status}): {message}")
         return TransportError(f"the server refused the request ({status}): {message}")

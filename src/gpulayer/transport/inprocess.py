@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from ..artifacts import ArtifactStore
-from ..errors import ArtifactError
+from ..errors import ArtifactError, ServerUnreachable, StoreError
 from ..jobs import Instruction, JobInfo, LogChunk, LogLine, TaskResult, TaskStarted, WorkerInfo
 from ..service import ControlPlane
 from ..spec import JobSpec
@@ -83,15 +84,31 @@ class InProcessTransport(Transport):
     def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
         return self.plane.acquire(worker_id, timeout)
 
+    # A worker's reports. A write the store refused changed nothing: raised as
+    # ServerUnreachable, the report stays in the worker's outbox and goes again,
+    # as it would to a server that answered 503.
+
     def task_started(self, report: TaskStarted) -> None:
-        self.plane.task_started(report)
+        with _store_unavailable():
+            self.plane.task_started(report)
 
     def task_rendezvous(self, job_id: str, attempt: int, worker_id: str, port: int) -> None:
-        self.plane.task_rendezvous(job_id, attempt, worker_id, port)
+        with _store_unavailable():
+            self.plane.task_rendezvous(job_id, attempt, worker_id, port)
 
     def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
-        self.plane.append_logs(job_id, attempt, lines, node)
+        with _store_unavailable():
+            self.plane.append_logs(job_id, attempt, lines, node)
 
     def task_finished(self, result: TaskResult, *, take: bool = True) -> list[Instruction]:
-        self.plane.task_finished(result)
+        with _store_unavailable():
+            self.plane.task_finished(result)
         return []  # in-process, the worker's long poll costs nothing: it brings them
+
+
+@contextlib.contextmanager
+def _store_unavailable() -> Iterator[None]:
+    try:
+        yield
+    except StoreError as exc:
+        raise ServerUnreachable(str(exc)) from exc

@@ -229,6 +229,13 @@ class TaskRun:
                 result = self._supervise(self._tasklog)
             except Exception as exc:
                 log.exception("task %s: supervising failed", self.task.job_id)
+                # Unwatched, its processes must not run on: end them (joined
+                # below), and close what is left of their pipes.
+                self._terminate([p for p in self._procs if p.returncode is None])
+                for proc in self._procs:
+                    for pipe in (proc.stdout, proc.stderr):
+                        if pipe is not None:
+                            pipe.close()
                 result = self._result("error", error=f"{type(exc).__name__}: {exc}")
         for terminator in self._terminators:
             # Report "cancelled" only once the whole tree is gone.
