@@ -297,3 +297,34 @@ def test_a_result_the_store_refused_applies_when_sent_again(plane: ControlPlane,
         assert (after.state, after.attempt) == ("running", 2)
         assert _job_ids(plane.take_instructions(wid)) == [job]
         assert [j.id for j in plane.list_jobs(states=["queued"])] == [waiting]
+
+
+def test_a_cancel_the_store_refused_leaves_the_job_as_it_was(plane: ControlPlane) -> None:
+    wid = _one_slot(plane).id
+    running, queued = (plane.submit(parse_spec({"command": ["true"]})).id for _ in range(2))
+    assert _job_ids(plane.take_instructions(wid)) == [running]
+
+    for job_id in (queued, running):
+        _fail_next_commit(plane)
+        with pytest.raises(StoreError):
+            plane.cancel(job_id)
+    assert plane.take_instructions(wid) == []  # no cancel went to the worker
+    plane.task_finished(_ended(running, wid))
+    assert plane.get(running).state == "succeeded"  # not "cancelled": that was refused
+    assert _job_ids(plane.take_instructions(wid)) == [queued]  # still queued, and placed now
+
+
+def test_a_give_back_the_store_refused_applies_when_sent_again(plane: ControlPlane) -> None:
+    wid = _one_slot(plane).id
+    job = plane.submit(parse_spec({"command": ["true"]})).id
+    assert _job_ids(plane.take_instructions(wid)) == [job]
+    back = TaskResult(job_id=job, attempt=1, worker_id=wid, outcome="returned")  # it stops
+
+    _fail_next_commit(plane)
+    with pytest.raises(StoreError):
+        plane.task_finished(back)
+    assert plane.get(job).state == "running"
+
+    plane.task_finished(back)  # sent again
+    stored = plane.get(job)
+    assert (stored.state, stored.attempt) == ("queued", 0)  # given back, no attempt spent

@@ -179,17 +179,23 @@ class PlaneCore:
         """
         self._release(job_id)
         run.attempt -= 1
-        with self.store.transaction() as tx:
-            # Read in the transaction: another process on this home may have
-            # asked for a cancel an instant ago.
-            cancelled = tx.cancel_requested(job_id)
-            if cancelled:
-                self._finish_no_result(tx, job_id, jobs.CANCELLED, "cancelled", now)
-            else:
-                self._requeue(job_id, run)
-                tx.requeue(job_id, reason=None, owner=self.instance_id, attempt=run.attempt)
-            assignments = self._plan()
-            self._record(tx, assignments, now)
+        cancelled = False
+        try:
+            with self.store.transaction() as tx:
+                # Read in the transaction: another process on this home may have
+                # asked for a cancel an instant ago.
+                cancelled = tx.cancel_requested(job_id)
+                if cancelled:
+                    self._finish_no_result(tx, job_id, jobs.CANCELLED, "cancelled", now)
+                else:
+                    self._requeue(job_id, run)
+                    tx.requeue(job_id, reason=None, owner=self.instance_id, attempt=run.attempt)
+                assignments = self._plan()
+                self._record(tx, assignments, now)
+        except BaseException:
+            run.attempt += 1
+            self._unrelease(job_id, run, requeued=job_id in self._queue)
+            raise
         self._dispatch(assignments, now)
         if cancelled:
             self._signal_done(job_id)

@@ -196,22 +196,26 @@ class ControlPlane(Fleet, Recovery):
         now = self._clock()
         with self._lock:
             if job_id in self._queue:
-                self._dequeue(job_id)
-                with self.store.transaction() as tx:
-                    tx.request_cancel(job_id)
-                    self._finish_no_result(
-                        tx, job_id, jobs.CANCELLED, "cancelled while queued", now
-                    )
-                    # It may have held a worker for itself: others may fit now.
-                    assignments = self._plan()
-                    self._record(tx, assignments, now)
+                pending = self._dequeue(job_id)
+                try:
+                    with self.store.transaction() as tx:
+                        tx.request_cancel(job_id)
+                        self._finish_no_result(
+                            tx, job_id, jobs.CANCELLED, "cancelled while queued", now
+                        )
+                        # It may have held a worker for itself: others may fit now.
+                        assignments = self._plan()
+                        self._record(tx, assignments, now)
+                except BaseException:  # not stored: it stays queued, here too
+                    self._enqueue(pending)
+                    raise
                 self._dispatch(assignments, now)
                 self._signal_done(job_id)
             elif job_id in self._running:
                 run = self._running[job_id]
-                run.cancel_requested = True
                 with self.store.transaction() as tx:
                     tx.request_cancel(job_id)
+                run.cancel_requested = True
                 self._cancel_tasks(job_id, run)
             else:
                 job = self.store.get_job(job_id)
