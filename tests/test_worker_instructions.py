@@ -4,10 +4,13 @@ its finished reports), so they may come twice or out of order."""
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from gpulayer.embedded import Embedded
-from gpulayer.jobs import CancelTask, Instruction, RunTask, TaskResult
+from gpulayer.errors import InvalidStateError, ServerUnreachable
+from gpulayer.jobs import CancelTask, Instruction, RunTask, TaskResult, WorkerInfo
 from gpulayer.spec import parse_spec
 from gpulayer.transport.http import _Received
 from gpulayer.transport.inprocess import InProcessTransport
@@ -154,3 +157,41 @@ def test_a_handed_over_task_runs_even_if_tidying_after_the_last_failed(home: Pat
         transport.closed.set()
         worker.stop(timeout=30)
         embedded.close()
+
+
+class _UnknownAndAway(InProcessTransport):
+    """A server that forgot the worker, and does not answer its registration."""
+
+    def __init__(self, embedded: Embedded) -> None:
+        super().__init__(embedded.plane, embedded.artifacts)
+        self.registered = False
+        self.attempts: list[float] = []
+        self.enough = threading.Event()
+
+    def register_worker(
+        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = ()
+    ) -> WorkerInfo:
+        if not self.registered:  # the first: the worker's start
+            self.registered = True
+            return super().register_worker(info, running)
+        self.attempts.append(time.monotonic())
+        if len(self.attempts) == 3:
+            self.enough.set()
+        raise ServerUnreachable("no answer")
+
+    def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
+        raise InvalidStateError(f"worker {worker_id} is not registered")
+
+
+def test_a_worker_whose_registration_goes_unanswered_backs_off(home: Path) -> None:
+    embedded = Embedded(home)
+    transport = _UnknownAndAway(embedded)
+    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
+    try:
+        worker.start()
+        assert transport.enough.wait(30)
+    finally:
+        worker.stop(timeout=5)
+        embedded.close()
+    first, second, third = transport.attempts[:3]
+    assert second - first >= 0.05 and third - second >= 0.1  # it waits, longer each time

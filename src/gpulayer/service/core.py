@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from .. import defaults, jobs
+from ..errors import StoreError
 from ..jobs import CancelTask, JobInfo, RunTask, TaskResult
 from ..scheduler import Assignment, Request, place
 from ..signals import Signal
@@ -67,9 +68,17 @@ class PlaneCore:
         self._finished: OrderedDict[str, JobInfo] = OrderedDict()
         self._seq = max((j.seq for j in store.list_jobs(limit=1)), default=0)
 
-    def _conclude(self, job_id: str, run: Running, result: TaskResult, now: float) -> bool:
+    def _conclude(
+        self, job_id: str, run: Running, result: TaskResult, now: float, *, undo: bool = False
+    ) -> bool:
         """The attempt ended with ``result``: finish the job or queue it again.
-        Returns whether the job is final."""
+        Returns whether the job is final.
+
+        ``undo``: for a worker's report, which it sends again if this fails. A
+        write the store refuses then leaves memory as it was, so the report
+        applies when it comes again. Without it (a node declared lost: no one
+        sends that again) memory moves on, and the store catches up with the
+        job's next step."""
         cancel = run.cancel_requested
         if not cancel and not (result.outcome == "exited" and result.exit_code == 0):
             # A cancel from another process on this home is only in the store.
@@ -115,8 +124,9 @@ class PlaneCore:
                         outputs=result.outputs,
                     )
                 self._record(tx, assignments, now)
-        except BaseException:
-            self._unrelease(job_id, run, requeued=again)
+        except StoreError:
+            if undo:
+                self._unrelease(job_id, run, requeued=again)
             raise
         self._dispatch(assignments, now)
         if not again:
@@ -142,11 +152,18 @@ class PlaneCore:
         return not again
 
     def _task_ended(
-        self, job_id: str, run: Running, task: NodeTask, result: TaskResult, now: float
+        self,
+        job_id: str,
+        run: Running,
+        task: NodeTask,
+        result: TaskResult,
+        now: float,
+        *,
+        undo: bool = False,
     ) -> bool:
         """One node of a job of several ended. The first failure ends the
         other nodes; the job ends with its last node. Returns whether the job
-        is final."""
+        is final. ``undo`` as for :meth:`_conclude`."""
         task.ended = True
         self._release_task(job_id, task)
         run.results.append(result)
@@ -155,17 +172,18 @@ class PlaneCore:
             if failed and result.outcome != "cancelled" and len(failures(run)) == 1:
                 self._cancel_tasks(job_id, run)
             if all(t.ended for t in run.tasks):
-                return self._conclude(job_id, run, decisive(run), now)
+                return self._conclude(job_id, run, decisive(run), now, undo=undo)
             # Kept, so that a restarted server knows this node is done and how;
             # and its slots are free: something else may fit now.
             assignments = self._plan()
             with self.store.transaction() as tx:
                 tx.task_ended(job_id, task.node, result)
                 self._record(tx, assignments, now)
-        except BaseException:  # not stored: this node runs on, as far as anyone knows
-            task.ended = False
-            run.results.remove(result)
-            self._occupy(job_id, task)
+        except StoreError:  # not stored: this node runs on, as far as anyone knows
+            if undo:
+                task.ended = False
+                run.results.remove(result)
+                self._occupy(job_id, task)
             raise
         self._dispatch(assignments, now)
         return False
@@ -192,7 +210,7 @@ class PlaneCore:
                     tx.requeue(job_id, reason=None, owner=self.instance_id, attempt=run.attempt)
                 assignments = self._plan()
                 self._record(tx, assignments, now)
-        except BaseException:
+        except StoreError:  # only for a worker's report, which it sends again
             run.attempt += 1
             self._unrelease(job_id, run, requeued=job_id in self._queue)
             raise

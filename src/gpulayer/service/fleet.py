@@ -429,14 +429,16 @@ class Fleet(PlaneCore):
             fresh = [line for line in lines if line.seq > seen]
             if not fresh:
                 return
-            run.log_seen[node] = fresh[-1].seq
             base = run.log_seq
             numbered = [
                 LogLine(base + i, line.ts, line.stream, line.text, line.rank)
                 for i, line in enumerate(fresh, 1)
             ]
-            run.log_seq = base + len(numbered)
+            # Stored first: if the store refuses them, they are not seen, and
+            # the worker's log sender sends them again.
             self.store.append_logs(job_id, attempt, numbered, node=node, node_last=fresh[-1].seq)
+            run.log_seen[node] = fresh[-1].seq
+            run.log_seq = base + len(numbered)
             signal = self._logs.get(job_id)
             if signal is not None:
                 signal.fire()
@@ -458,12 +460,12 @@ class Fleet(PlaneCore):
                 if result.outcome == "returned" and not run.cancel_requested:
                     self._give_back(result.job_id, run, now)
                     return
-                final = self._conclude(result.job_id, run, result, now)
+                final = self._conclude(result.job_id, run, result, now, undo=True)
             else:
                 task = run.task_on(result.worker_id)
                 if task is None or task.ended:
                     return
-                final = self._task_ended(result.job_id, run, task, result, now)
+                final = self._task_ended(result.job_id, run, task, result, now, undo=True)
         if final and yield_to_waiters:
             # Hand the interpreter to the woken client now rather than after
             # this worker's own tidying up: the client is the one waiting.

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 from .. import defaults, jobs
 from ..artifacts import ArtifactStore
-from ..errors import GPUlayerError, InvalidStateError, JobNotFoundError
+from ..errors import GPUlayerError, InvalidStateError, JobNotFoundError, StoreError
 from ..ids import check_id, new_id
 from ..jobs import JobInfo, LogChunk, WorkerInfo
 from ..scheduler import Capacity, Request, explain
@@ -206,7 +206,7 @@ class ControlPlane(Fleet, Recovery):
                         # It may have held a worker for itself: others may fit now.
                         assignments = self._plan()
                         self._record(tx, assignments, now)
-                except BaseException:  # not stored: it stays queued, here too
+                except StoreError:  # not stored: it stays queued, here too
                     self._enqueue(pending)
                     raise
                 self._dispatch(assignments, now)

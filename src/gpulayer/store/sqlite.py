@@ -8,6 +8,7 @@ lose the last moments of history. See ADR-0003.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -339,7 +340,10 @@ class SqliteStore(Store):
                 self._db.execute("COMMIT")
             except BaseException as exc:
                 if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
+                    # If even this fails, SQLite rolls back when the
+                    # connection next begins, or when it closes.
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
                 if isinstance(exc, sqlite3.Error):
                     raise StoreError(f"the job store at {self.path} failed: {exc}") from exc
                 raise
@@ -412,12 +416,15 @@ class SqliteStore(Store):
         if not lines:
             return
         with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO log_batches "
-                "(job_id, attempt, first_seq, last_seq, lines, node, node_last) "
-                "VALUES (?,?,?,?,?,?,?)",
-                (job_id, attempt, lines[0].seq, lines[-1].seq, _encode(lines), node, node_last),
-            )
+            try:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO log_batches "
+                    "(job_id, attempt, first_seq, last_seq, lines, node, node_last) "
+                    "VALUES (?,?,?,?,?,?,?)",
+                    (job_id, attempt, lines[0].seq, lines[-1].seq, _encode(lines), node, node_last),
+                )
+            except sqlite3.Error as exc:  # one statement: nothing was written
+                raise StoreError(f"the job store at {self.path} failed: {exc}") from exc
 
     def node_lines(self, job_id: str, attempt: int) -> dict[int, int]:
         with self._lock:

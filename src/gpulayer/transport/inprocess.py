@@ -79,7 +79,8 @@ class InProcessTransport(Transport):
         self.plane.heartbeat(worker_id, stopping=stopping)
 
     def unregister_worker(self, worker_id: str) -> None:
-        self.plane.unregister_worker(worker_id, said=True)
+        with _store_unavailable():  # a stopping worker leaves anyway
+            self.plane.unregister_worker(worker_id, said=True)
 
     def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
         return self.plane.acquire(worker_id, timeout)

@@ -42,6 +42,9 @@ _EARLY_MAX = 1024  # instructions kept for tasks not (yet) here
 # How long a stopping worker waits for its acquire loop to end (its long poll
 # ends as the server hears it is stopping; longer only if it did not hear).
 _LOOP_END_S = 5.0
+# How long a stopping worker keeps trying to deliver reports left in its outbox,
+# when not told otherwise.
+_OUTBOX_STOP_S = 10.0
 
 
 class Worker:
@@ -150,8 +153,10 @@ class Worker:
             except InvalidStateError:
                 # The server does not know us: it restarted, or gave us up
                 # for lost. Register again, naming the tasks still running.
-                if not self._stopping.is_set():
-                    self._reregister()
+                if not self._stopping.is_set() and not self._reregister():
+                    if self._stopping.wait(backoff):  # unanswered: not again at once
+                        return
+                    backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
                 continue
             except ServerUnreachable:
                 if self._stopping.wait(backoff):
@@ -201,9 +206,10 @@ class Worker:
             take = not self._stopping.is_set()
             self._handle(self.transport.task_finished(result, take=take))
 
-    def _reregister(self) -> None:
+    def _reregister(self) -> bool:
         """Register again (the server restarted, or gave us up), naming the
-        tasks still running. Only the acquire loop does this."""
+        tasks still running; False if the server did not answer. Only the
+        acquire loop does this."""
         # Results kept while the server was away go first: a task that ended
         # meanwhile must be reported finished, not missing.
         self._outbox.flush(timeout=defaults.RECONNECT_MAX_S)
@@ -213,10 +219,11 @@ class Worker:
             try:
                 self.info = self.transport.register_worker(self.info, running)
             except ServerUnreachable:
-                return  # the acquire loop backs off and tries again
+                return False  # the acquire loop backs off and tries again
         log.warning(
             "worker %s: registered again with %d running task(s)", self.info.id, len(running)
         )
+        return True
 
     def _heartbeat_loop(self, interval: float) -> None:
         while not self._stopping.wait(interval):
@@ -313,7 +320,15 @@ class Worker:
         with self._tasks_lock:
             all_ended = self._idle.wait_for(lambda: not self._tasks, timeout)
         self._logs.stop()
-        self._outbox.flush(timeout)
+        # Reports the server (or, embedded, the store) would not take yet: a
+        # while to go, not forever (the next process on the home recovers
+        # what they were about).
+        if not self._outbox.flush(_OUTBOX_STOP_S if timeout is None else timeout):
+            log.warning(
+                "worker %s: stopping with %d report(s) undelivered",
+                self.info.id,
+                self._outbox.pending(),
+            )
         self._outbox.stop()
         # If the server is away, it declares us lost when our heartbeats stop.
         with contextlib.suppress(ServerUnreachable, InvalidStateError):

@@ -1,0 +1,191 @@
+"""A store write that fails (a full disk, an I/O error) changes nothing, and
+what hit it applies when it comes again; where no one sends it again, the
+control plane moves on and the store catches up with the job's next step."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import gpulayer
+import gpulayer.worker.worker as worker_module
+from gpulayer.artifacts import ArtifactStore
+from gpulayer.errors import ServerUnreachable, StoreError
+from gpulayer.jobs import CancelTask, JobInfo, LogLine, RunTask, TaskResult, WorkerInfo
+from gpulayer.service import ControlPlane
+from gpulayer.spec import JobSpec, parse_spec
+from gpulayer.store.sqlite import SqliteStore
+from gpulayer.transport.inprocess import InProcessTransport
+from test_jobs import wait_for_line
+
+
+class Refusing:
+    """A connection whose COMMITs fail, as on a full disk: the next ``count``
+    of them (every one, with None), and ROLLBACK too if asked."""
+
+    def __init__(self, db: sqlite3.Connection, count: int | None = 1, *, skip: int = 0) -> None:
+        self.db, self.count, self.skip = db, count, skip
+        self.rollback_fails = False
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
+        if sql == "ROLLBACK" and self.rollback_fails:
+            raise sqlite3.OperationalError("disk I/O error")
+        if sql == "COMMIT" and self.count != 0:
+            if self.skip:
+                self.skip -= 1
+            else:
+                if self.count is not None:
+                    self.count -= 1
+                raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
+
+
+@pytest.fixture
+def plane(tmp_path: Path) -> Iterator[ControlPlane]:
+    store = SqliteStore(tmp_path / "db.sqlite")
+    try:
+        yield ControlPlane(store, instance_id="test")
+    finally:
+        store.close()
+
+
+def _refuse(plane: ControlPlane, count: int | None = 1, *, skip: int = 0) -> Refusing:
+    store = plane.store
+    assert isinstance(store, SqliteStore)
+    refusing = Refusing(store._db, count, skip=skip)
+    store._db = refusing  # type: ignore[assignment]
+    return refusing
+
+
+def _gang(plane: ControlPlane) -> tuple[str, str, str]:
+    """A job of two nodes, each taken by its worker: (job, node 0's, node 1's)."""
+    a, b = (
+        plane.register_worker(WorkerInfo(id="", name=n, host=n, slot_gpus=[None])).id for n in "ab"
+    )
+    job = plane.submit(parse_spec({"command": ["x"], "nodes": 2})).id
+    nodes = {}
+    for wid in (a, b):
+        (task,) = plane.take_instructions(wid)
+        assert isinstance(task, RunTask)
+        nodes[task.node] = wid
+    return job, nodes[0], nodes[1]
+
+
+def _result(job: str, wid: str, node: int, **fields: object) -> TaskResult:
+    return TaskResult(job_id=job, attempt=1, worker_id=wid, node=node, **fields)  # type: ignore[arg-type]
+
+
+def test_a_gang_whose_lost_node_was_not_stored_still_ends(plane: ControlPlane) -> None:
+    job, w0, w1 = _gang(plane)
+    _refuse(plane)
+    with pytest.raises(StoreError):
+        plane.unregister_worker(w0, reason="its worker stopped heartbeating")
+    # No one sends a node's loss again: memory moved on, the other node is ended.
+    assert plane.take_instructions(w1) == [CancelTask(job_id=job, attempt=1)]
+    plane.task_finished(_result(job, w1, 1, outcome="cancelled"))
+    assert plane.get(job).state not in ("queued", "running")
+
+
+def test_a_gang_node_its_worker_came_back_without_ends_though_that_write_failed(
+    plane: ControlPlane,
+) -> None:
+    job, w0, w1 = _gang(plane)
+    _refuse(plane, skip=1)  # the registration is stored; the node's end is not
+    with pytest.raises(StoreError):
+        plane.register_worker(WorkerInfo(id=w0, name="a", host="a", slot_gpus=[None]), [])
+    assert plane.take_instructions(w1) == [CancelTask(job_id=job, attempt=1)]
+    plane.task_finished(_result(job, w1, 1, outcome="cancelled"))
+    assert plane.get(job).state not in ("queued", "running")
+
+
+def test_an_error_after_the_end_was_stored_does_not_undo_it(plane: ControlPlane) -> None:
+    job, w0, w1 = _gang(plane)
+    plane.task_finished(_result(job, w1, 1, outcome="exited", exit_code=0))
+    final, done = plane.watch_job(job)
+    assert final is None and done is not None
+
+    def closed_loop() -> None:
+        raise RuntimeError("Event loop is closed")  # a waiter's loop shut down
+
+    plane.subscribe_done(done, closed_loop)
+    with pytest.raises(RuntimeError):
+        plane.task_finished(_result(job, w0, 0, outcome="exited", exit_code=0))
+    assert plane.get(job).state == "succeeded"
+    nxt = plane.submit(parse_spec({"command": ["x"], "nodes": 2})).id
+    assert [t.job_id for t in plane.take_instructions(w0)] == [nxt]  # its slot is free
+
+
+def test_gang_log_lines_the_store_refused_are_stored_when_sent_again(
+    plane: ControlPlane,
+) -> None:
+    job, _, _ = _gang(plane)
+    refusing = _refuse(plane, count=0)
+    lines = [LogLine(1, 0.0, "stdout", "hello")]
+    real = refusing.execute
+
+    def full_once(sql: str, *args: object) -> sqlite3.Cursor:
+        refusing.execute = real  # type: ignore[method-assign]
+        raise sqlite3.OperationalError("database or disk is full")
+
+    refusing.execute = full_once  # type: ignore[method-assign]
+    with pytest.raises(StoreError):
+        plane.append_logs(job, 1, lines, node=1)
+    plane.append_logs(job, 1, lines, node=1)  # the log sender sends them again
+    assert [line.text for _, line in plane.store.read_logs(job)] == ["hello"]
+
+
+def test_an_embedded_workers_report_the_store_refused_goes_again(
+    plane: ControlPlane, tmp_path: Path
+) -> None:
+    transport = InProcessTransport(plane, ArtifactStore(tmp_path / "blobs"))
+    wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+    job = plane.submit(parse_spec({"command": ["x"]})).id
+    plane.take_instructions(wid)
+    _refuse(plane, count=None)
+    with pytest.raises(ServerUnreachable):  # its outbox keeps it, and sends it again
+        transport.task_finished(_result(job, wid, 0, outcome="exited", exit_code=0))
+
+
+def test_a_rollback_that_fails_too_is_still_a_store_error(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite")
+    refusing = Refusing(store._db)
+    refusing.rollback_fails = True
+    store._db = refusing  # type: ignore[assignment]
+    try:
+        with pytest.raises(StoreError), store.transaction() as tx:
+            tx.insert_job(JobInfo(id="j1", spec=JobSpec(command=["x"]), seq=1))
+    finally:
+        store.close()
+
+
+def test_an_embedded_client_closes_while_the_store_refuses_its_reports(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(worker_module, "_OUTBOX_STOP_S", 0.2)
+    go = tmp_path / "go"
+    os.mkfifo(go)
+    client = gpulayer.Client(home=home)
+    try:
+        client.ensure_local_workers(1, kill_grace=0.5)
+        waits = f"print('up', flush=True); open({str(go)!r}).read()"
+        job = client.submit(command=[sys.executable, "-c", waits])
+        wait_for_line(job, "up")  # it runs, its start stored
+        assert client._embedded is not None
+        store = client._embedded.store
+        store._db = Refusing(store._db, count=None)  # type: ignore[assignment]
+        with open(go, "w"):
+            pass  # it ends now; its end cannot be stored
+    finally:
+        closer = threading.Thread(target=client.close, daemon=True)
+        closer.start()
+        closer.join(30)
+    assert not closer.is_alive(), "close() waited on reports the store kept refusing"
