@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 import gpulayer
+from gpulayer.service import ControlPlane
+from gpulayer.store.sqlite import SqliteStore
 
 
 @pytest.fixture(autouse=True)
@@ -23,6 +25,16 @@ def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture
 def home(_isolated_home: Path) -> Path:
     return _isolated_home
+
+
+@pytest.fixture
+def plane(tmp_path: Path) -> Iterator[ControlPlane]:
+    """A control plane over its own store, with no workers (tests register them)."""
+    store = SqliteStore(tmp_path / "db.sqlite")
+    try:
+        yield ControlPlane(store, instance_id="test")
+    finally:
+        store.close()
 
 
 @pytest.fixture

@@ -4,10 +4,7 @@ several workers numbered once, and how the first failure ends the job."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from gpulayer.jobs import (
     CancelTask,
@@ -20,14 +17,6 @@ from gpulayer.jobs import (
 )
 from gpulayer.service import ControlPlane
 from gpulayer.spec import ArtifactRef, parse_spec
-from gpulayer.store.sqlite import SqliteStore
-
-
-@pytest.fixture
-def plane(tmp_path: Path) -> Iterator[ControlPlane]:
-    store = SqliteStore(tmp_path / "db.sqlite")
-    yield ControlPlane(store, instance_id="test")
-    store.close()
 
 
 def worker(plane: ControlPlane, name: str, address: str | None = None) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -185,15 +184,6 @@ def test_a_job_cancelled_elsewhere_ends_cancelled_when_its_worker_leaves(tmp_pat
         assert plane.take_instructions(idle) == []  # not retried
     finally:
         other_store.close()
-        store.close()
-
-
-@pytest.fixture
-def plane(tmp_path: Path) -> Iterator[ControlPlane]:
-    store = SqliteStore(tmp_path / "db.sqlite")
-    try:
-        yield ControlPlane(store, instance_id="test")
-    finally:
         store.close()
 
 

@@ -8,7 +8,6 @@ import os
 import sqlite3
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,15 +46,6 @@ class Refusing:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.db, name)
-
-
-@pytest.fixture
-def plane(tmp_path: Path) -> Iterator[ControlPlane]:
-    store = SqliteStore(tmp_path / "db.sqlite")
-    try:
-        yield ControlPlane(store, instance_id="test")
-    finally:
-        store.close()
 
 
 def _refuse(plane: ControlPlane, count: int | None = 1, *, skip: int = 0) -> Refusing:
