@@ -12,6 +12,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpulayer.artifacts import ArtifactStore
 from gpulayer.http.app import create_app
 from gpulayer.http.routing import App
@@ -210,3 +212,28 @@ def test_a_report_the_store_refused_is_a_503_and_applies_when_sent_again(tmp_pat
         asyncio.run(scenario())
     finally:
         store.close()
+
+
+def test_a_long_poll_for_a_registration_the_server_replaced_asks_to_register_again(
+    server: ServerProc,
+) -> None:
+    """The server changed the worker's registration without the worker (it
+    refused to store one half-way, with a 503): the worker's polls would be
+    answered empty at once, forever. The poll says it must register again."""
+    from gpulayer.errors import InvalidStateError
+    from gpulayer.jobs import WorkerInfo
+    from gpulayer.transport.http import HttpTransport
+
+    transport = HttpTransport(server.url, token=server.admin)
+    try:
+        info = transport.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None]))
+        assert transport.acquire(info.id, timeout=0) == []  # its own registration: fine
+        again = {"id": info.id, "name": "w", "host": "h", "slot_gpus": [None]}
+        status, _, _ = request(server, "POST", "/api/v1/workers", {"worker": again})
+        assert status == 201  # a registration the worker never heard of
+        with pytest.raises(InvalidStateError, match="register again"):
+            transport.acquire(info.id, timeout=5)
+        transport.register_worker(info)  # it does, and polls as before
+        assert transport.acquire(info.id, timeout=0) == []
+    finally:
+        transport.close()

@@ -442,14 +442,26 @@ class HttpTransport(Transport):
             f"/api/v1/workers/{_q(worker_id)}/acquire",
             None,
             {"timeout": f"{timeout:.3f}"},
+            poll=True,
             wait=timeout,
             retry=False,
         )
 
     def _instructions(
-        self, path: str, body: bytes | None, query: dict[str, Any], **kwargs: Any
+        self,
+        path: str,
+        body: bytes | None,
+        query: dict[str, Any],
+        *,
+        poll: bool = False,
+        **kwargs: Any,
     ) -> list[Instruction]:
-        """A numbered delivery of instructions; those not seen before."""
+        """A numbered delivery of instructions; those not seen before.
+
+        A reply for a registration newer than this transport's (the server
+        changed it, then refused to store it: a 503) is void; for a long poll
+        (``poll``) it raises InvalidStateError, so that the worker registers
+        again rather than poll for replies that can only be void."""
         received = self._received
         query["ack"] = received.acked
         if received.generation:
@@ -461,8 +473,15 @@ class HttpTransport(Transport):
         items = msgspec.json.decode(raw, type=list[Instruction])
         if not first:
             return items  # a server that does not number them
-        if generation != received.generation or received is not self._received:
-            return []  # for an earlier registration of this worker: void
+        if received is not self._received:
+            return []  # it registered again since this went out: for the old one, void
+        if generation != received.generation:
+            if poll:  # it would only be answered so again, at once
+                raise InvalidStateError(
+                    "the server holds a newer registration of this worker than its own "
+                    "(one it refused half-way, say): it must register again"
+                )
+            return []
         return received.accept(int(first), items)
 
     def task_started(self, report: TaskStarted) -> None:
