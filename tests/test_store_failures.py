@@ -74,15 +74,37 @@ def _result(job: str, wid: str, node: int, **fields: object) -> TaskResult:
     return TaskResult(job_id=job, attempt=1, worker_id=wid, node=node, **fields)  # type: ignore[arg-type]
 
 
-def test_a_gang_whose_lost_node_was_not_stored_still_ends(plane: ControlPlane) -> None:
+def test_a_gang_whose_lost_node_was_not_stored_ends_when_it_is_lost_again(
+    plane: ControlPlane,
+) -> None:
     job, w0, w1 = _gang(plane)
     _refuse(plane)
     with pytest.raises(StoreError):
         plane.unregister_worker(w0, reason="its worker stopped heartbeating")
-    # No one sends a node's loss again: memory moved on, the other node is ended.
+    assert w0 in [w.id for w in plane.list_workers()]  # not lost yet, as far as anyone knows
+    # The other node was told to end as the failure came (that is not taken
+    # back); it ends, and says so.
     assert plane.take_instructions(w1) == [CancelTask(job_id=job, attempt=1)]
     plane.task_finished(_result(job, w1, 1, outcome="cancelled"))
+    assert plane.get(job).state == "running"
+    plane.unregister_worker(w0, reason="its worker stopped heartbeating")  # the reaper, again
     assert plane.get(job).state not in ("queued", "running")
+
+
+def test_a_worker_lost_while_the_store_refuses_is_lost_again_later(plane: ControlPlane) -> None:
+    wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+    job = plane.submit(parse_spec({"command": ["x"], "max_retries": 1})).id
+    plane.take_instructions(wid)
+    _refuse(plane)
+    with pytest.raises(StoreError):
+        plane.unregister_worker(wid, reason="its worker stopped heartbeating")
+    assert plane.get(job).state == "running"
+    assert wid in [w.id for w in plane.list_workers()]  # still there, the job still on it
+
+    plane.unregister_worker(wid, reason="its worker stopped heartbeating")  # the reaper, again
+    other = plane.register_worker(WorkerInfo(id="", name="o", host="o", slot_gpus=[None])).id
+    (again,) = plane.take_instructions(other)
+    assert isinstance(again, RunTask) and (again.job_id, again.attempt) == (job, 2)
 
 
 def test_a_gang_node_its_worker_came_back_without_ends_though_that_write_failed(

@@ -228,7 +228,9 @@ class PlaneCore:
             job_id, state=state, exit_code=None, reason=reason, marks={"finished": now}, outputs={}
         )
 
-    def _node_lost(self, job_id: str, worker_id: str, reason: str, now: float) -> None:
+    def _node_lost(
+        self, job_id: str, worker_id: str, reason: str, now: float, *, undo: bool = False
+    ) -> None:
         run = self._running.get(job_id)
         task = run.task_on(worker_id) if run is not None else None
         if run is None or task is None or task.ended:
@@ -241,7 +243,7 @@ class PlaneCore:
             error=reason,
             node=task.node,
         )
-        self._task_ended(job_id, run, task, result, now)
+        self._task_ended(job_id, run, task, result, now, undo=undo)
 
     def _cancel_tasks(self, job_id: str, run: Running) -> None:
         for task in run.tasks:
@@ -375,8 +377,16 @@ class PlaneCore:
         self._enqueue(Pending(request, spec, run.attempt, run.marks["submitted"]))
 
     def _end_lost(
-        self, tx: Transaction, run: Running, job_id: str, reason: str, now: float
+        self,
+        tx: Transaction,
+        run: Running,
+        job_id: str,
+        reason: str,
+        now: float,
+        ended: list[str],
     ) -> None:
+        """A job whose worker is gone: retried, or ended (its id added to
+        ``ended``, for the caller to tell waiters once the write is stored)."""
         # Being cancelled (here, or by another process on this home, which
         # only the store knows): that is how it ends.
         run.cancel_requested = run.cancel_requested or tx.cancel_requested(job_id)
@@ -384,14 +394,14 @@ class PlaneCore:
             self._finish_no_result(
                 tx, job_id, jobs.CANCELLED, f"cancelled ({reason} before it confirmed)", now
             )
-            self._signal_done(job_id)
+            ended.append(job_id)
             return
         if run.attempt <= run.spec.max_retries:
             self._requeue(job_id, run)
             tx.requeue(job_id, reason=f"retrying: {reason}", owner=self.instance_id)
         else:
             self._finish_no_result(tx, job_id, jobs.LOST, reason, now)
-            self._signal_done(job_id)
+            ended.append(job_id)
 
     def _signal_done(self, job_id: str, final: JobInfo | None = None) -> None:
         done = self._done.pop(job_id, None)

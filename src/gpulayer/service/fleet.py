@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from .. import defaults
-from ..errors import InvalidStateError
+from ..errors import InvalidStateError, StoreError
 from ..ids import new_id
 from ..jobs import (
     CancelTask,
@@ -113,10 +113,12 @@ class Fleet(PlaneCore):
                     worker.inbox.append(
                         Rendezvous(job_id=job_id, attempt=attempt, master_port=held_run.master_port)
                     )
+            ended: list[str] = []
             with self.store.transaction() as tx:
                 for job_id, run in lost.items():
                     if run.started or run.cancel_requested or tx.cancel_requested(job_id):
-                        self._end_lost(tx, run, job_id, "its worker came back without it", now)
+                        reason = "its worker came back without it"
+                        self._end_lost(tx, run, job_id, reason, now, ended)
                     else:  # placed, but it never reached the worker: not an attempt
                         run.attempt -= 1
                         self._requeue(job_id, run)
@@ -125,6 +127,8 @@ class Fleet(PlaneCore):
                 assignments = self._plan()
                 self._record(tx, assignments, now)
             self._dispatch(assignments, now)
+            for job_id in ended:
+                self._signal_done(job_id)
             for job_id in gang_lost:
                 self._node_lost(job_id, info.id, "its worker came back without it", now)
             if worker.inbox:
@@ -164,36 +168,57 @@ class Fleet(PlaneCore):
         as an attempt.
         """
         with self._lock:
-            worker = self._workers.pop(worker_id, None)
+            worker = self._workers.get(worker_id)
             if worker is None:
                 return
-            worker.closed = True
-            worker.wake.fire()
+            was_closed, worker.closed = worker.closed, True  # nothing more placed on it
             now = self._clock()
-            gangs = [j for j in worker.running if len(self._running[j].tasks) > 1]
-            for job_id in gangs:
-                self._node_lost(job_id, worker_id, reason, now)
-            worker.running.difference_update(gangs)
+            # Each node of a job of several is lost in a write of its own. If
+            # the store refuses one (or the write below), memory is put back
+            # and the worker stays registered: the reaper, or its own goodbye,
+            # tries again; what was stored stays done.
+            try:
+                for job_id in [j for j in worker.running if len(self._running[j].tasks) > 1]:
+                    self._node_lost(job_id, worker_id, reason, now, undo=True)
+                    worker.running.discard(job_id)
+            except StoreError:
+                worker.closed = was_closed
+                raise
             lost = {job_id: self._release(job_id) for job_id in list(worker.running)}
+            attempts = {job_id: run.attempt for job_id, run in lost.items()}
             # Never handed to it (still in its inbox): never ran, not an
             # attempt. One it took but never reported started may have run
             # (starts are reported late over HTTP): that one was lost.
             unrun = {job_id for job_id, run in lost.items() if said and not run.tasks[0].delivered}
-            with self.store.transaction() as tx:
+            ended: list[str] = []
+            try:
+                with self.store.transaction() as tx:
+                    for job_id, run in lost.items():
+                        # A job being cancelled ends so (see _end_lost), even unrun.
+                        if run.cancel_requested or tx.cancel_requested(job_id):
+                            unrun.discard(job_id)
+                        if job_id in unrun:
+                            run.attempt -= 1
+                            self._requeue(job_id, run)
+                            tx.requeue(
+                                job_id, reason=None, owner=self.instance_id, attempt=run.attempt
+                            )
+                        else:
+                            self._end_lost(tx, run, job_id, reason, now, ended)
+                    assignments = self._plan()
+                    tx.delete_worker(worker_id)
+                    self._record(tx, assignments, now)
+            except StoreError:
                 for job_id, run in lost.items():
-                    # A job being cancelled ends so (see _end_lost), even unrun.
-                    if run.cancel_requested or tx.cancel_requested(job_id):
-                        unrun.discard(job_id)
-                    if job_id in unrun:
-                        run.attempt -= 1
-                        self._requeue(job_id, run)
-                        tx.requeue(job_id, reason=None, owner=self.instance_id, attempt=run.attempt)
-                    else:
-                        self._end_lost(tx, run, job_id, reason, now)
-                assignments = self._plan()
-                tx.delete_worker(worker_id)
-                self._record(tx, assignments, now)
+                    run.attempt = attempts[job_id]
+                    self._unrelease(job_id, run, requeued=job_id in self._queue)
+                worker.closed = was_closed
+                raise
+            del self._workers[worker_id]
+            worker.wake.fire()  # its long poll, if one is open, ends
             self._dispatch(assignments, now)
+            for job_id in ended:
+                self._signal_done(job_id)
 
     def close_workers(self) -> None:
         """Place nothing more on any worker (the control plane is shutting down)."""
