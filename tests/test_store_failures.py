@@ -82,12 +82,12 @@ def test_a_gang_whose_lost_node_was_not_stored_ends_when_it_is_lost_again(
     with pytest.raises(StoreError):
         plane.unregister_worker(w0, reason="its worker stopped heartbeating")
     assert w0 in [w.id for w in plane.list_workers()]  # not lost yet, as far as anyone knows
-    # The other node was told to end as the failure came (that is not taken
-    # back); it ends, and says so.
-    assert plane.take_instructions(w1) == [CancelTask(job_id=job, attempt=1)]
-    plane.task_finished(_result(job, w1, 1, outcome="cancelled"))
+    assert plane.take_instructions(w1) == []  # and the other node told nothing
     assert plane.get(job).state == "running"
+
     plane.unregister_worker(w0, reason="its worker stopped heartbeating")  # the reaper, again
+    assert plane.take_instructions(w1) == [CancelTask(job_id=job, attempt=1)]  # now it is
+    plane.task_finished(_result(job, w1, 1, outcome="cancelled"))
     assert plane.get(job).state not in ("queued", "running")
 
 
@@ -114,8 +114,8 @@ def test_a_gang_node_its_worker_came_back_without_ends_though_that_write_failed(
     _refuse(plane, skip=1)  # the registration is stored; the node's end is not
     with pytest.raises(StoreError):
         plane.register_worker(WorkerInfo(id=w0, name="a", host="a", slot_gpus=[None]), [])
-    assert plane.take_instructions(w1) == [CancelTask(job_id=job, attempt=1)]
-    plane.task_finished(_result(job, w1, 1, outcome="cancelled"))
+    # Memory moved on (node 0 is over); the other node ends on its own.
+    plane.task_finished(_result(job, w1, 1, outcome="exited", exit_code=0))
     assert plane.get(job).state not in ("queued", "running")
 
 
@@ -201,3 +201,46 @@ def test_an_embedded_client_closes_while_the_store_refuses_its_reports(
         closer.start()
         closer.join(30)
     assert not closer.is_alive(), "close() waited on reports the store kept refusing"
+
+
+def _clocked(tmp_path: Path, now: list[float]) -> tuple[ControlPlane, SqliteStore]:
+    store = SqliteStore(tmp_path / "clocked.sqlite")
+    return ControlPlane(store, instance_id="test", clock=lambda: now[0]), store
+
+
+def test_a_node_loss_the_store_refused_cancels_nothing(tmp_path: Path) -> None:
+    """Its worker was only slow: the loss that was not stored must not have
+    ended the job's other nodes."""
+    now = [1000.0]
+    plane, store = _clocked(tmp_path, now)
+    try:
+        job, w0, w1 = _gang(plane)
+        now[0] += 100
+        plane.heartbeat(w1)
+        _refuse(plane)
+        with pytest.raises(StoreError):
+            plane.reap(30)  # w0 is silent; the store refuses its loss
+        plane.heartbeat(w0)  # it was only slow
+        assert plane.take_instructions(w1) == []  # no cancel went out
+        for wid, node in ((w0, 0), (w1, 1)):
+            plane.task_finished(_result(job, wid, node, outcome="exited", exit_code=0))
+        assert plane.get(job).state == "succeeded"
+    finally:
+        store.close()
+
+
+def test_a_goodbye_the_store_refused_counts_as_one_when_the_reaper_comes(tmp_path: Path) -> None:
+    now = [1000.0]
+    plane, store = _clocked(tmp_path, now)
+    try:
+        wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+        job = plane.submit(parse_spec({"command": ["x"]})).id  # in its inbox, never taken
+        _refuse(plane)
+        with pytest.raises(StoreError):
+            plane.unregister_worker(wid, said=True)  # its goodbye, sent once
+        now[0] += 100
+        assert plane.reap(30) == [wid]
+        info = plane.get(job)
+        assert (info.state, info.attempt) == ("queued", 0)  # never an attempt: it never saw it
+    finally:
+        store.close()

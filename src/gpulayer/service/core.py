@@ -167,10 +167,9 @@ class PlaneCore:
         task.ended = True
         self._release_task(job_id, task)
         run.results.append(result)
+        failed = not (result.outcome == "exited" and result.exit_code == 0)
+        first_failure = failed and result.outcome != "cancelled" and len(failures(run)) == 1
         try:
-            failed = not (result.outcome == "exited" and result.exit_code == 0)
-            if failed and result.outcome != "cancelled" and len(failures(run)) == 1:
-                self._cancel_tasks(job_id, run)
             if all(t.ended for t in run.tasks):
                 return self._conclude(job_id, run, decisive(run), now, undo=undo)
             # Kept, so that a restarted server knows this node is done and how;
@@ -186,6 +185,8 @@ class PlaneCore:
                 self._occupy(job_id, task)
             raise
         self._dispatch(assignments, now)
+        if first_failure:  # the job's other nodes end too; told once the failure is stored
+            self._cancel_tasks(job_id, run)
         return False
 
     def _give_back(self, job_id: str, run: Running, now: float) -> None:

@@ -172,6 +172,7 @@ class Fleet(PlaneCore):
             if worker is None:
                 return
             was_closed, worker.closed = worker.closed, True  # nothing more placed on it
+            said = said or worker.said_goodbye
             now = self._clock()
             # Each node of a job of several is lost in a write of its own. If
             # the store refuses one (or the write below), memory is put back
@@ -182,7 +183,7 @@ class Fleet(PlaneCore):
                     self._node_lost(job_id, worker_id, reason, now, undo=True)
                     worker.running.discard(job_id)
             except StoreError:
-                worker.closed = was_closed
+                worker.closed, worker.said_goodbye = was_closed, said
                 raise
             lost = {job_id: self._release(job_id) for job_id in list(worker.running)}
             attempts = {job_id: run.attempt for job_id, run in lost.items()}
@@ -212,7 +213,7 @@ class Fleet(PlaneCore):
                 for job_id, run in lost.items():
                     run.attempt = attempts[job_id]
                     self._unrelease(job_id, run, requeued=job_id in self._queue)
-                worker.closed = was_closed
+                worker.closed, worker.said_goodbye = was_closed, said
                 raise
             del self._workers[worker_id]
             worker.wake.fire()  # its long poll, if one is open, ends

@@ -98,6 +98,10 @@ class LiveWorker:
     wake: Signal = field(default_factory=Signal)
     running: set[str] = field(default_factory=set)
     closed: bool = False
+    # It said goodbye, but the store refused to record it: when the reaper
+    # declares it lost later, that is as a goodbye (what it never took was
+    # never an attempt).
+    said_goodbye: bool = False
     # A worker known from before a restart is not connected until it
     # registers again; it gets the heartbeat timeout to do so.
     connected: bool = True
