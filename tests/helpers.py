@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import gpulayer
+from gpulayer.store import Store
+from gpulayer.store.sqlite import SqliteStore
 
 PY = sys.executable
 ALLREDUCE = Path(__file__).parent / "distributed" / "allreduce.py"
@@ -60,3 +63,36 @@ def pids_alive(*pids: int) -> list[int]:
             continue
         alive.append(pid)
     return alive
+
+
+class Refusing:
+    """A store connection whose COMMITs fail, as on a full disk: the next
+    ``count`` of them (every one, with None) after ``skip`` that pass; and
+    ROLLBACK too if ``rollback_fails``."""
+
+    def __init__(self, db: sqlite3.Connection, count: int | None = 1, *, skip: int = 0) -> None:
+        self.db, self.count, self.skip = db, count, skip
+        self.rollback_fails = False
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
+        if sql == "ROLLBACK" and self.rollback_fails:
+            raise sqlite3.OperationalError("disk I/O error")
+        if sql == "COMMIT" and self.count != 0:
+            if self.skip:
+                self.skip -= 1
+            else:
+                if self.count is not None:
+                    self.count -= 1
+                raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
+
+
+def refuse_commits(store: Store, count: int | None = 1, *, skip: int = 0) -> Refusing:
+    """Make ``store`` refuse its next ``count`` commits (see :class:`Refusing`)."""
+    assert isinstance(store, SqliteStore)
+    refusing = Refusing(store._db, count, skip=skip)
+    store._db = refusing  # type: ignore[assignment]
+    return refusing

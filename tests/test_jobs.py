@@ -12,7 +12,7 @@ import pytest
 import gpulayer
 from gpulayer.errors import InvalidStateError, SpecError
 
-from helpers import PY, pids_alive
+from helpers import PY, pids_alive, refuse_commits
 
 
 def wait_for_line(job: gpulayer.Job, prefix: str) -> str:
@@ -316,11 +316,9 @@ def test_a_flood_of_output_is_kept_whole_and_in_order(client: gpulayer.Client) -
 def test_a_write_the_store_refuses_delays_a_report_and_loses_nothing(
     client: gpulayer.Client,
 ) -> None:
-    from test_store import _FailingCommit
-
     assert client._embedded is not None
     store = client._embedded.store
     job = client.submit(command=[PY, "-c", "print('done')"])
-    store._db = _FailingCommit(store._db)  # type: ignore[assignment]  # the next write fails
+    refuse_commits(store)  # the next write fails
     assert job.wait(timeout=60) == "succeeded"  # its worker's report went again
     assert job.logs().strip() == "done"

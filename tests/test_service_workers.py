@@ -13,6 +13,8 @@ from gpulayer.service import ControlPlane
 from gpulayer.spec import parse_spec
 from gpulayer.store.sqlite import SqliteStore
 
+from helpers import refuse_commits
+
 
 def test_a_workers_last_word_is_its_latest_heartbeat(tmp_path: Path) -> None:
     now = [100.0]
@@ -254,14 +256,6 @@ def test_a_finish_from_an_old_registration_wakes_the_new_long_poll(plane: Contro
     assert _job_ids(plane.take_instructions(info.id)) == [second]
 
 
-def _fail_next_commit(plane: ControlPlane) -> None:
-    from test_store import _FailingCommit
-
-    store = plane.store
-    assert isinstance(store, SqliteStore)
-    store._db = _FailingCommit(store._db)  # type: ignore[assignment]
-
-
 @pytest.mark.parametrize("code", [0, 1])  # a job that ends; one that fails and is retried
 def test_a_result_the_store_refused_applies_when_sent_again(plane: ControlPlane, code: int) -> None:
     wid = _one_slot(plane).id
@@ -270,7 +264,7 @@ def test_a_result_the_store_refused_applies_when_sent_again(plane: ControlPlane,
     assert _job_ids(plane.take_instructions(wid)) == [job]
     ended = TaskResult(job_id=job, attempt=1, worker_id=wid, outcome="exited", exit_code=code)
 
-    _fail_next_commit(plane)
+    refuse_commits(plane.store)
     with pytest.raises(StoreError, match="disk is full"):
         plane.task_finished(ended)
     # Nothing changed: the job still runs on its slot, the other still waits.
@@ -295,7 +289,7 @@ def test_a_cancel_the_store_refused_leaves_the_job_as_it_was(plane: ControlPlane
     assert _job_ids(plane.take_instructions(wid)) == [running]
 
     for job_id in (queued, running):
-        _fail_next_commit(plane)
+        refuse_commits(plane.store)
         with pytest.raises(StoreError):
             plane.cancel(job_id)
     assert plane.take_instructions(wid) == []  # no cancel went to the worker
@@ -310,7 +304,7 @@ def test_a_give_back_the_store_refused_applies_when_sent_again(plane: ControlPla
     assert _job_ids(plane.take_instructions(wid)) == [job]
     back = TaskResult(job_id=job, attempt=1, worker_id=wid, outcome="returned")  # it stops
 
-    _fail_next_commit(plane)
+    refuse_commits(plane.store)
     with pytest.raises(StoreError):
         plane.task_finished(back)
     assert plane.get(job).state == "running"

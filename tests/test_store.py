@@ -11,6 +11,8 @@ from gpulayer.spec import JobSpec
 from gpulayer.store.migrations import LATEST
 from gpulayer.store.sqlite import SqliteStore
 
+from helpers import refuse_commits
+
 
 def test_new_store_is_migrated_and_reopens_with_its_data(tmp_path: Path) -> None:
     path = tmp_path / "db.sqlite"
@@ -63,26 +65,9 @@ def test_marks_keep_full_float_precision(tmp_path: Path) -> None:
     store.close()
 
 
-class _FailingCommit:
-    """A connection whose next COMMIT fails as a full disk would make it."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-        self.armed = True
-
-    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
-        if sql == "COMMIT" and self.armed:
-            self.armed = False
-            raise sqlite3.OperationalError("database or disk is full")
-        return self.db.execute(sql, *args)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.db, name)
-
-
 def test_a_refused_write_is_a_store_error_and_leaves_nothing(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "db.sqlite")
-    store._db = _FailingCommit(store._db)  # type: ignore[assignment]
+    refuse_commits(store)
     with pytest.raises(StoreError, match="disk is full"), store.transaction() as tx:
         tx.insert_job(JobInfo(id="j1", spec=JobSpec(command=["x"]), seq=1))
     assert store.get_job("j1") is None

@@ -23,37 +23,7 @@ from gpulayer.store.sqlite import SqliteStore
 from gpulayer.transport.inprocess import InProcessTransport
 from test_jobs import wait_for_line
 
-
-class Refusing:
-    """A connection whose COMMITs fail, as on a full disk: the next ``count``
-    of them (every one, with None), and ROLLBACK too if asked."""
-
-    def __init__(self, db: sqlite3.Connection, count: int | None = 1, *, skip: int = 0) -> None:
-        self.db, self.count, self.skip = db, count, skip
-        self.rollback_fails = False
-
-    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
-        if sql == "ROLLBACK" and self.rollback_fails:
-            raise sqlite3.OperationalError("disk I/O error")
-        if sql == "COMMIT" and self.count != 0:
-            if self.skip:
-                self.skip -= 1
-            else:
-                if self.count is not None:
-                    self.count -= 1
-                raise sqlite3.OperationalError("database or disk is full")
-        return self.db.execute(sql, *args)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.db, name)
-
-
-def _refuse(plane: ControlPlane, count: int | None = 1, *, skip: int = 0) -> Refusing:
-    store = plane.store
-    assert isinstance(store, SqliteStore)
-    refusing = Refusing(store._db, count, skip=skip)
-    store._db = refusing  # type: ignore[assignment]
-    return refusing
+from helpers import refuse_commits
 
 
 def _gang(plane: ControlPlane) -> tuple[str, str, str]:
@@ -78,7 +48,7 @@ def test_a_gang_whose_lost_node_was_not_stored_ends_when_it_is_lost_again(
     plane: ControlPlane,
 ) -> None:
     job, w0, w1 = _gang(plane)
-    _refuse(plane)
+    refuse_commits(plane.store)
     with pytest.raises(StoreError):
         plane.unregister_worker(w0, reason="its worker stopped heartbeating")
     assert w0 in [w.id for w in plane.list_workers()]  # not lost yet, as far as anyone knows
@@ -95,7 +65,7 @@ def test_a_worker_lost_while_the_store_refuses_is_lost_again_later(plane: Contro
     wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
     job = plane.submit(parse_spec({"command": ["x"], "max_retries": 1})).id
     plane.take_instructions(wid)
-    _refuse(plane)
+    refuse_commits(plane.store)
     with pytest.raises(StoreError):
         plane.unregister_worker(wid, reason="its worker stopped heartbeating")
     assert plane.get(job).state == "running"
@@ -111,7 +81,7 @@ def test_a_gang_node_its_worker_came_back_without_ends_though_that_write_failed(
     plane: ControlPlane,
 ) -> None:
     job, w0, w1 = _gang(plane)
-    _refuse(plane, skip=1)  # the registration is stored; the node's end is not
+    refuse_commits(plane.store, skip=1)  # the registration is stored; the node's end is not
     with pytest.raises(StoreError):
         plane.register_worker(WorkerInfo(id=w0, name="a", host="a", slot_gpus=[None]), [])
     # Memory moved on (node 0 is over); the other node ends on its own.
@@ -140,7 +110,7 @@ def test_gang_log_lines_the_store_refused_are_stored_when_sent_again(
     plane: ControlPlane,
 ) -> None:
     job, _, _ = _gang(plane)
-    refusing = _refuse(plane, count=0)
+    refusing = refuse_commits(plane.store, count=0)
     lines = [LogLine(1, 0.0, "stdout", "hello")]
     real = refusing.execute
 
@@ -162,16 +132,14 @@ def test_an_embedded_workers_report_the_store_refused_goes_again(
     wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
     job = plane.submit(parse_spec({"command": ["x"]})).id
     plane.take_instructions(wid)
-    _refuse(plane, count=None)
+    refuse_commits(plane.store, count=None)
     with pytest.raises(ServerUnreachable):  # its outbox keeps it, and sends it again
         transport.task_finished(_result(job, wid, 0, outcome="exited", exit_code=0))
 
 
 def test_a_rollback_that_fails_too_is_still_a_store_error(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "db.sqlite")
-    refusing = Refusing(store._db)
-    refusing.rollback_fails = True
-    store._db = refusing  # type: ignore[assignment]
+    refuse_commits(store).rollback_fails = True
     try:
         with pytest.raises(StoreError), store.transaction() as tx:
             tx.insert_job(JobInfo(id="j1", spec=JobSpec(command=["x"]), seq=1))
@@ -193,7 +161,7 @@ def test_an_embedded_client_closes_while_the_store_refuses_its_reports(
         wait_for_line(job, "up")  # it runs, its start stored
         assert client._embedded is not None
         store = client._embedded.store
-        store._db = Refusing(store._db, count=None)  # type: ignore[assignment]
+        refuse_commits(store, count=None)
         with open(go, "w"):
             pass  # it ends now; its end cannot be stored
     finally:
@@ -217,7 +185,7 @@ def test_a_node_loss_the_store_refused_cancels_nothing(tmp_path: Path) -> None:
         job, w0, w1 = _gang(plane)
         now[0] += 100
         plane.heartbeat(w1)
-        _refuse(plane)
+        refuse_commits(plane.store)
         with pytest.raises(StoreError):
             plane.reap(30)  # w0 is silent; the store refuses its loss
         plane.heartbeat(w0)  # it was only slow
@@ -235,7 +203,7 @@ def test_a_goodbye_the_store_refused_counts_as_one_when_the_reaper_comes(tmp_pat
     try:
         wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
         job = plane.submit(parse_spec({"command": ["x"]})).id  # in its inbox, never taken
-        _refuse(plane)
+        refuse_commits(plane.store)
         with pytest.raises(StoreError):
             plane.unregister_worker(wid, said=True)  # its goodbye, sent once
         now[0] += 100

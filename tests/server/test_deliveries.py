@@ -24,7 +24,7 @@ from gpulayer.store.sqlite import SqliteStore
 from server.conftest import ServerProc
 from server.rawhttp import asgi_request, request
 
-from helpers import PY
+from helpers import PY, refuse_commits
 
 
 def _register(server: ServerProc) -> str:
@@ -185,8 +185,6 @@ def test_an_acknowledgement_from_an_earlier_registration_confirms_nothing(
 
 
 def test_a_report_the_store_refused_is_a_503_and_applies_when_sent_again(tmp_path: Path) -> None:
-    from test_store import _FailingCommit
-
     store = SqliteStore(tmp_path / "db.sqlite")
     plane = ControlPlane(store, instance_id="test")
     app = create_app(plane, ArtifactStore(tmp_path / "blobs"), auth_enabled=False)
@@ -197,7 +195,7 @@ def test_a_report_the_store_refused_is_a_503_and_applies_when_sent_again(tmp_pat
     async def scenario() -> None:
         status, items, _ = await _call(app, "POST", f"/api/v1/workers/{wid}/acquire", "ack=0")
         assert (status, [i["job_id"] for i in items]) == (200, [first])
-        store._db = _FailingCommit(store._db)  # type: ignore[assignment]
+        refuse_commits(store)
         status, body, _ = await _call(app, "POST", "/api/v1/tasks/finished", "take=1&ack=1", report)
         assert status == 503
         assert "disk is full" in body["error"] and "try again" in body["error"]
