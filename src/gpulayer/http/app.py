@@ -29,7 +29,7 @@ from ..errors import (
     SpecError,
     StoreError,
 )
-from ..jobs import RUNNING, STATES, LogChunk, TaskResult, TaskStarted
+from ..jobs import RUNNING, STATES, JobInfo, LogChunk, TaskResult, TaskStarted
 from ..service import ControlPlane
 from ..service.state import Delivery
 from ..signals import Unsubscribe
@@ -307,27 +307,26 @@ class Api:
     async def get_job(self, request: Request) -> Response:
         return _json(self.plane.get(request.path_params["job_id"]))
 
-    async def wait_job(self, request: Request) -> Response:
-        job_id = self.plane.resolve(request.path_params["job_id"])
-        timeout = _query_float(request, "timeout", 30.0)
+    async def _wait(self, job_id: str, timeout: float) -> JobInfo:
+        """The job once it is final, or as it is after ``timeout``."""
         final, done = self.plane.watch_job(job_id)
         if final is None and done is not None:
             await until_signal(self.plane, lambda cb: self.plane.subscribe_done(done, cb), timeout)
             final = done.job  # the record the job ended with, when it did: no store read
-        return _json(final or self.plane.get(job_id))
+        return final or self.plane.get(job_id)
+
+    async def wait_job(self, request: Request) -> Response:
+        job_id = self.plane.resolve(request.path_params["job_id"])
+        return _json(await self._wait(job_id, _query_float(request, "timeout", 30.0)))
 
     async def wait_jobs(self, request: Request) -> Response:
         """Wait for one job, and bring the records of the others asked about
         that are final by then."""
         body = await _body(request, WaitRequest)
         timeout = _query_float(request, "timeout", 30.0)
-        job_id = self.plane.resolve(body.id)
-        final, done = self.plane.watch_job(job_id)
-        if final is None and done is not None:
-            await until_signal(self.plane, lambda cb: self.plane.subscribe_done(done, cb), timeout)
-            final = done.job
+        job = await self._wait(self.plane.resolve(body.id), timeout)
         also, unknown = self.plane.finals(body.also)
-        return _json(WaitReply(job=final or self.plane.get(job_id), also=also, unknown=unknown))
+        return _json(WaitReply(job=job, also=also, unknown=unknown))
 
     async def cancel_job(self, request: Request) -> Response:
         return _json(self.plane.cancel(request.path_params["job_id"]))

@@ -87,9 +87,9 @@ class Ledger:
     def set_worker_id(self, worker_id: str) -> None:
         (self.dir / "worker-id").write_text(worker_id)
 
-    def record(self, key: str, procs: list[tuple[int, float | None]]) -> None:
+    def record(self, key: str, procs: list[tuple[int, float]]) -> None:
         """Note the processes of task ``key`` (its pids and start times)."""
-        text = "".join(f"{pid} {at!r}\n" for pid, at in procs if at is not None).encode()
+        text = "".join(f"{pid} {at!r}\n" for pid, at in procs).encode()
         with self._lock:
             record = self._used.get(key) or (self._free.pop() if self._free else self._new_record())
             self._used[key] = record

@@ -80,7 +80,7 @@ class TaskRun:
         kill_grace: float,
         acquired: float,
         on_done: Callable[[TaskRun], None],
-        on_spawned: Callable[[TaskRun, list[tuple[int, float | None]]], None] | None = None,
+        on_spawned: Callable[[TaskRun, list[tuple[int, float]]], None] | None = None,
         report: Callable[[Callable[[], None]], None] = lambda deliver: deliver(),
         finish: Callable[[TaskResult], object] | None = None,
         defer_started: float | None = None,
@@ -124,7 +124,7 @@ class TaskRun:
         self._master_port: int | None = None
         self._rendezvous = threading.Event()
         self._failed: tuple[int | None, int] | None = None
-        self._proc_times: list[tuple[int, float | None]] = []
+        self._proc_times: list[tuple[int, float]] = []
         # Its own thread, if it gets one (a task handed to the thread that
         # reported the previous one does not).
         self.thread: threading.Thread | None = None
@@ -371,7 +371,8 @@ class TaskRun:
             pid=procs[0].pid,
             pid_created=self._proc_times[0][1],
             node=self.task.node,
-            procs=self._proc_times if len(procs) > 1 else [],
+            # A copy, as the report types it (its start times may be unknown).
+            procs=[(pid, at) for pid, at in self._proc_times] if len(procs) > 1 else [],
         )
 
         def report_started() -> None:

@@ -275,7 +275,7 @@ class Worker:
             self._apply(run, instruction)
         run.start()
 
-    def _task_spawned(self, run: TaskRun, procs: list[tuple[int, float | None]]) -> None:
+    def _task_spawned(self, run: TaskRun, procs: list[tuple[int, float]]) -> None:
         assert self._ledger is not None
         self._ledger.record(f"{run.task.job_id}-{run.task.attempt}", procs)
 
