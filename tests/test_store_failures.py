@@ -16,7 +16,15 @@ import gpulayer
 import gpulayer.worker.worker as worker_module
 from gpulayer.artifacts import ArtifactStore
 from gpulayer.errors import ServerUnreachable, StoreError
-from gpulayer.jobs import CancelTask, JobInfo, LogLine, RunTask, TaskResult, WorkerInfo
+from gpulayer.jobs import (
+    CancelTask,
+    JobInfo,
+    LogLine,
+    RunTask,
+    TaskResult,
+    TaskStarted,
+    WorkerInfo,
+)
 from gpulayer.service import ControlPlane
 from gpulayer.spec import JobSpec, parse_spec
 from gpulayer.store.sqlite import SqliteStore
@@ -212,3 +220,38 @@ def test_a_goodbye_the_store_refused_counts_as_one_when_the_reaper_comes(tmp_pat
         assert (info.state, info.attempt) == ("queued", 0)  # never an attempt: it never saw it
     finally:
         store.close()
+
+
+def test_a_worker_back_without_its_task_while_the_store_refuses_finds_it_missing_again(
+    plane: ControlPlane,
+) -> None:
+    info = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None]))
+    job = plane.submit(parse_spec({"command": ["x"], "max_retries": 1})).id
+    (task,) = plane.take_instructions(info.id)
+    assert isinstance(task, RunTask)
+    plane.task_started(
+        TaskStarted(
+            job_id=job, attempt=1, worker_id=info.id, acquired=0, prepared=0, started=0, pid=1
+        )
+    )
+    back = WorkerInfo(id=info.id, name="w", host="h", slot_gpus=[None])
+    refuse_commits(plane.store)
+    with pytest.raises(StoreError):
+        plane.register_worker(back, running=[])  # its new process: the task is gone
+    assert plane.get(job).state == "running"
+    assert plane.get(job).attempt == 1
+
+    plane.register_worker(back, running=[])  # it registers again, and this write is stored
+    (again,) = plane.take_instructions(info.id)
+    assert isinstance(again, RunTask) and (again.job_id, again.attempt) == (job, 2)
+
+
+def test_a_new_worker_whose_registration_the_store_refused_gets_no_work(
+    plane: ControlPlane,
+) -> None:
+    refuse_commits(plane.store)
+    with pytest.raises(StoreError):
+        plane.register_worker(WorkerInfo(id="w-refused", name="w", host="h", slot_gpus=[None]))
+    assert plane.list_workers() == []
+    job = plane.submit(parse_spec({"command": ["x"]}))
+    assert job.state == "queued"  # not placed on a worker that no one knows

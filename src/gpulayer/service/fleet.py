@@ -56,6 +56,7 @@ class Fleet(PlaneCore):
         reported = set(running)
         with self._lock:
             worker = self._workers.get(info.id)
+            new = worker is None
             lost: dict[str, Running] = {}
             gang_lost: list[str] = []  # tasks of jobs of several nodes it no longer has
             if worker is None:
@@ -114,18 +115,32 @@ class Fleet(PlaneCore):
                         Rendezvous(job_id=job_id, attempt=attempt, master_port=held_run.master_port)
                     )
             ended: list[str] = []
-            with self.store.transaction() as tx:
+            attempts = {job_id: run.attempt for job_id, run in lost.items()}
+            try:
+                with self.store.transaction() as tx:
+                    for job_id, run in lost.items():
+                        if run.started or run.cancel_requested or tx.cancel_requested(job_id):
+                            reason = "its worker came back without it"
+                            self._end_lost(tx, run, job_id, reason, now, ended)
+                        else:  # placed, but it never reached the worker: not an attempt
+                            run.attempt -= 1
+                            self._requeue(job_id, run)
+                            tx.requeue(
+                                job_id, reason=None, owner=self.instance_id, attempt=run.attempt
+                            )
+                    tx.upsert_worker(info)
+                    assignments = self._plan()
+                    self._record(tx, assignments, now)
+            except StoreError:
+                # The worker registers again (it got a 503): the tasks it came
+                # back without go back on it, to be found missing then; a new
+                # worker is forgotten, as it will come under another id.
                 for job_id, run in lost.items():
-                    if run.started or run.cancel_requested or tx.cancel_requested(job_id):
-                        reason = "its worker came back without it"
-                        self._end_lost(tx, run, job_id, reason, now, ended)
-                    else:  # placed, but it never reached the worker: not an attempt
-                        run.attempt -= 1
-                        self._requeue(job_id, run)
-                        tx.requeue(job_id, reason=None, owner=self.instance_id, attempt=run.attempt)
-                tx.upsert_worker(info)
-                assignments = self._plan()
-                self._record(tx, assignments, now)
+                    run.attempt = attempts[job_id]
+                    self._unrelease(job_id, run, requeued=job_id in self._queue)
+                if new:
+                    del self._workers[info.id]
+                raise
             self._dispatch(assignments, now)
             for job_id in ended:
                 self._signal_done(job_id)
