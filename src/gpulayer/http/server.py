@@ -202,8 +202,11 @@ class Server:
     def serve(self, sock: socket.socket | None = None) -> None:
         import uvicorn
 
+        from .protocol import Protocol
+
         config = uvicorn.Config(
             self.app(),
+            http=Protocol,  # httptools, each reply's head and body in one write
             host=self.host,
             port=self.port,
             ssl_certfile=self.tls_cert,
