@@ -73,9 +73,12 @@ class Refusing:
     def __init__(self, db: sqlite3.Connection, count: int | None = 1, *, skip: int = 0) -> None:
         self.db, self.count, self.skip = db, count, skip
         self.rollback_fails = False
+        self.reads_fail = False  # and every SELECT, as on a failing disk
 
     def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
         if sql == "ROLLBACK" and self.rollback_fails:
+            raise sqlite3.OperationalError("disk I/O error")
+        if self.reads_fail and sql.lstrip().startswith("SELECT"):
             raise sqlite3.OperationalError("disk I/O error")
         if sql == "COMMIT" and self.count != 0:
             if self.skip:

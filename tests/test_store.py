@@ -75,3 +75,20 @@ def test_a_refused_write_is_a_store_error_and_leaves_nothing(tmp_path: Path) -> 
         tx.insert_job(JobInfo(id="j1", spec=JobSpec(command=["x"]), seq=1))
     assert store.get_job("j1") is not None
     store.close()
+
+
+def test_a_failed_read_is_a_store_error(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite")
+    with store.transaction() as tx:
+        tx.insert_job(JobInfo(id="j1", spec=JobSpec(command=["x"]), seq=1))
+    refuse_commits(store, 0).reads_fail = True
+    for read in (
+        lambda: store.get_job("j1"),
+        lambda: store.list_jobs(),
+        lambda: store.read_logs("j1"),
+        lambda: store.list_workers(),
+        lambda: store.token_role("x"),
+    ):
+        with pytest.raises(StoreError, match="disk I/O error"):
+            read()
+    store.close()

@@ -212,6 +212,24 @@ def test_a_report_the_store_refused_is_a_503_and_applies_when_sent_again(tmp_pat
         store.close()
 
 
+def test_a_read_the_store_fails_is_a_503_naming_it(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite")
+    plane = ControlPlane(store, instance_id="test")
+    app = create_app(plane, ArtifactStore(tmp_path / "blobs"), auth_enabled=False)
+    refuse_commits(store, 0).reads_fail = True
+
+    async def scenario() -> None:
+        for path in ("/api/v1/jobs", "/api/v1/jobs/0123456789abcd", "/api/v1/workers"):
+            status, body, _ = await _call(app, "GET", path, "")
+            assert status == 503, path
+            assert "disk I/O error" in body["error"]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()
+
+
 def test_a_long_poll_for_a_registration_the_server_replaced_asks_to_register_again(
     server: ServerProc,
 ) -> None:

@@ -270,6 +270,27 @@ class _SqliteTransaction(Transaction):
         self.db.execute("DELETE FROM workers WHERE instance=?", (instance,))
 
 
+class _Guarded:
+    """The store's lock, held around one use of its connection. A failure
+    SQLite reports (an I/O error, a full disk, a damaged file) comes out as
+    :class:`StoreError`, as a transaction's does: the server answers 503
+    for it, and a worker keeps its report to send again."""
+
+    __slots__ = ("_lock", "_path")
+
+    def __init__(self, lock: threading.RLock, path: Path) -> None:
+        self._lock = lock
+        self._path = path
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        self._lock.release()
+        if isinstance(exc, sqlite3.Error):
+            raise StoreError(f"the job store at {self._path} failed: {exc}") from exc
+
+
 class SqliteStore(Store):
     def __init__(self, path: Path, *, exclusive: bool = False) -> None:
         """``exclusive``: no other process will open this file while this
@@ -303,6 +324,7 @@ class SqliteStore(Store):
         # One connection, used by one thread at a time: the control plane's
         # threads are few and each statement is short.
         self._lock = threading.RLock()
+        self._guarded = _Guarded(self._lock, path)
         self._migrate()
 
     def _migrate(self) -> None:
@@ -361,7 +383,7 @@ class SqliteStore(Store):
         return found
 
     def get_job(self, job_id: str) -> JobInfo | None:
-        with self._lock:
+        with self._guarded:
             row = self._db.execute(
                 f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id=?", (job_id,)
             ).fetchone()
@@ -370,7 +392,7 @@ class SqliteStore(Store):
             return _job_from_row(row, self._outputs([job_id]).get(job_id, {}))
 
     def find_job(self, prefix: str) -> list[str]:
-        with self._lock:
+        with self._guarded:
             rows = self._db.execute(
                 "SELECT id FROM jobs WHERE id >= ? AND id < ? ORDER BY id LIMIT 2",
                 (prefix, prefix + "\uffff"),
@@ -395,13 +417,13 @@ class SqliteStore(Store):
         sql += " ORDER BY seq DESC"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
-        with self._lock:
+        with self._guarded:
             rows = self._db.execute(sql, params).fetchall()
             outputs = self._outputs([r[0] for r in rows])
         return [_job_from_row(r, outputs.get(r[0], {})) for r in rows]
 
     def next_seq(self) -> int:
-        with self._lock:
+        with self._guarded:
             return int(self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0])
 
     def append_logs(
@@ -415,19 +437,16 @@ class SqliteStore(Store):
     ) -> None:
         if not lines:
             return
-        with self._lock:
-            try:
-                self._db.execute(
-                    "INSERT OR REPLACE INTO log_batches "
-                    "(job_id, attempt, first_seq, last_seq, lines, node, node_last) "
-                    "VALUES (?,?,?,?,?,?,?)",
-                    (job_id, attempt, lines[0].seq, lines[-1].seq, _encode(lines), node, node_last),
-                )
-            except sqlite3.Error as exc:  # one statement: nothing was written
-                raise StoreError(f"the job store at {self.path} failed: {exc}") from exc
+        with self._guarded:  # one statement: if it fails, nothing was written
+            self._db.execute(
+                "INSERT OR REPLACE INTO log_batches "
+                "(job_id, attempt, first_seq, last_seq, lines, node, node_last) "
+                "VALUES (?,?,?,?,?,?,?)",
+                (job_id, attempt, lines[0].seq, lines[-1].seq, _encode(lines), node, node_last),
+            )
 
     def node_lines(self, job_id: str, attempt: int) -> dict[int, int]:
-        with self._lock:
+        with self._guarded:
             rows = self._db.execute(
                 "SELECT node, MAX(node_last) FROM log_batches "
                 "WHERE job_id=? AND attempt=? AND node_last IS NOT NULL GROUP BY node",
@@ -436,7 +455,7 @@ class SqliteStore(Store):
         return {int(node): int(last) for node, last in rows}
 
     def last_log_seq(self, job_id: str, attempt: int) -> int:
-        with self._lock:
+        with self._guarded:
             row = self._db.execute(
                 "SELECT MAX(last_seq) FROM log_batches WHERE job_id=? AND attempt=?",
                 (job_id, attempt),
@@ -447,7 +466,7 @@ class SqliteStore(Store):
         self, job_id: str, after: tuple[int, int] = (0, 0), limit: int = 10_000
     ) -> list[tuple[int, LogLine]]:
         found: list[tuple[int, LogLine]] = []
-        with self._lock:
+        with self._guarded:
             cursor = self._db.execute(
                 "SELECT attempt, lines FROM log_batches WHERE job_id=? AND (attempt, last_seq) > (?, ?) "
                 "ORDER BY attempt, first_seq",
@@ -462,12 +481,12 @@ class SqliteStore(Store):
         return found[:limit]
 
     def list_workers(self) -> list[WorkerInfo]:
-        with self._lock:
+        with self._guarded:
             rows = self._db.execute("SELECT info FROM workers ORDER BY id").fetchall()
         return [_decode_worker(r[0]) for r in rows]
 
     def owners(self) -> set[str]:
-        with self._lock:
+        with self._guarded:
             rows = self._db.execute(
                 # Spelled as the partial index's condition, so the index serves it.
                 "SELECT DISTINCT owner FROM jobs WHERE state IN ('queued', 'running') AND owner IS NOT NULL "
@@ -476,24 +495,24 @@ class SqliteStore(Store):
         return {r[0] for r in rows}
 
     def count_by_state(self) -> dict[str, int]:
-        with self._lock:
+        with self._guarded:
             rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
         return {str(state): int(n) for state, n in rows}
 
     def add_token(self, digest: str, role: str, name: str | None, created: float) -> None:
-        with self._lock:
+        with self._guarded:
             self._db.execute(
                 "INSERT INTO tokens (digest, role, name, created) VALUES (?,?,?,?)",
                 (digest, role, name, created),
             )
 
     def token_role(self, digest: str) -> str | None:
-        with self._lock:
+        with self._guarded:
             row = self._db.execute("SELECT role FROM tokens WHERE digest=?", (digest,)).fetchone()
         return None if row is None else str(row[0])
 
     def count_tokens(self, role: str) -> int:
-        with self._lock:
+        with self._guarded:
             return int(
                 self._db.execute("SELECT COUNT(*) FROM tokens WHERE role=?", (role,)).fetchone()[0]
             )
