@@ -91,6 +91,24 @@ def test_bad_input_gets_a_clear_error(
     assert "Traceback" not in done.stderr
 
 
+def test_show_says_which_attempts_were_given_back(home: Path) -> None:
+    from gpulayer.home import Home
+    from gpulayer.jobs import JobInfo
+    from gpulayer.spec import JobSpec
+    from gpulayer.store.sqlite import SqliteStore
+
+    store = SqliteStore(Home(home).db)
+    with store.transaction() as tx:
+        job = JobInfo(
+            id="j1", spec=JobSpec(command=["true"], nodes=2), seq=1, marks={"submitted": 1.0}
+        )
+        tx.insert_job(job)
+        tx.requeue("j1", reason=None, owner="gone", attempt=1, given_back=1)
+    store.close()
+    shown = gl("show", "j1", home=home)
+    assert "1 (1 given back unrun, not counted)" in shown.stdout, shown.stderr
+
+
 def test_show_says_why_a_job_waits(home: Path) -> None:
     import gpulayer
 

@@ -17,6 +17,7 @@ from gpulayer.jobs import (
 )
 from gpulayer.service import ControlPlane
 from gpulayer.spec import ArtifactRef, parse_spec
+from gpulayer.store.sqlite import SqliteStore
 
 
 def worker(plane: ControlPlane, name: str, address: str | None = None) -> str:
@@ -240,13 +241,69 @@ def test_a_job_being_cancelled_whose_worker_is_lost_ends_cancelled(plane: Contro
     assert final.state == "cancelled", final.reason
 
 
-def test_a_gang_node_given_back_is_a_failed_attempt(plane: ControlPlane) -> None:
-    """Unlike a job of one node: the gang would be placed again under the same
-    attempt number, which a healthy node's worker may still hold."""
-    job_id, _, _, w0, w1 = gang(plane)  # max_retries 0
+def _give_back_node_1(plane: ControlPlane, job_id: str, w0: str, w1: str) -> None:
     plane.heartbeat(w1, stopping=True)
     plane.task_finished(result(job_id, w1, 1, outcome="returned"))  # node 1's worker stops
     assert plane.take_instructions(w0) == [CancelTask(job_id=job_id, attempt=1)]
     plane.task_finished(result(job_id, w0, 0, outcome="cancelled"))
+
+
+def test_a_gang_node_given_back_queues_the_job_again_uncounted(plane: ControlPlane) -> None:
+    """Under a new attempt number (a healthy node's worker may still hold the
+    old one), but one that does not count against the job's retries."""
+    job_id, _, _, w0, w1 = gang(plane)  # max_retries 0
+    _give_back_node_1(plane, job_id, w0, w1)
     job = plane.get(job_id)
-    assert (job.state, job.reason) == ("lost", "its worker stopped before it started")
+    assert (job.state, job.attempt, job.given_back) == ("queued", 1, 1)
+    assert job.reason == (
+        "queued again after attempt 1, not counted as one: its worker stopped before it started"
+    )
+    c = worker(plane, "c")  # room again for both nodes (b takes no more work)
+    placed = plane.take_instructions(w0) + plane.take_instructions(c)
+    assert sorted((t.node, t.attempt) for t in placed if isinstance(t, RunTask)) == [(0, 2), (1, 2)]
+    for wid, node in ((w0, 0), (c, 1)):
+        plane.task_finished(
+            TaskResult(
+                job_id=job_id, attempt=2, worker_id=wid, node=node, outcome="exited", exit_code=0
+            )
+        )
+    final = plane.get(job_id)
+    assert (final.state, final.attempt, final.given_back) == ("succeeded", 2, 1)
+
+
+def test_a_failure_after_a_give_back_still_spends_the_retries(plane: ControlPlane) -> None:
+    job_id, _, _, w0, w1 = gang(plane)  # max_retries 0
+    _give_back_node_1(plane, job_id, w0, w1)
+    c = worker(plane, "c")
+    plane.take_instructions(w0), plane.take_instructions(c)
+    failed = TaskResult(
+        job_id=job_id, attempt=2, worker_id=c, node=1, outcome="exited", exit_code=3
+    )
+    plane.task_finished(failed)
+    assert plane.take_instructions(w0) == [CancelTask(job_id=job_id, attempt=2)]
+    plane.task_finished(
+        TaskResult(job_id=job_id, attempt=2, worker_id=w0, node=0, outcome="cancelled")
+    )
+    final = plane.get(job_id)
+    assert (final.state, final.attempt) == ("failed", 2)  # its one counted attempt: no retry
+
+
+def test_a_restarted_plane_still_knows_what_was_given_back(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite")
+    first = ControlPlane(store, instance_id="first")
+    job_id, _, _, w0, w1 = gang(first, max_retries=1)
+    _give_back_node_1(first, job_id, w0, w1)
+    second = ControlPlane(store, instance_id="second")
+    second.recover("first", workers_outlive=True)
+    a, c = worker(second, "a2"), worker(second, "c2")
+    placed = second.take_instructions(a) + second.take_instructions(c)
+    assert sorted(t.attempt for t in placed if isinstance(t, RunTask)) == [2, 2]
+    second.unregister_worker(c, reason="its worker c2 stopped heartbeating")
+    assert second.take_instructions(a) == [CancelTask(job_id=job_id, attempt=2)]
+    second.task_finished(
+        TaskResult(job_id=job_id, attempt=2, worker_id=a, node=0, outcome="cancelled")
+    )
+    # Two attempts, one given back: its one retry is left for this loss.
+    job = second.get(job_id)
+    assert (job.state, job.attempt, job.given_back) == ("queued", 2, 1), job.reason
+    store.close()

@@ -8,7 +8,7 @@ import pytest
 from gpulayer.errors import StoreError
 from gpulayer.jobs import JobInfo, LogLine
 from gpulayer.spec import JobSpec
-from gpulayer.store.migrations import LATEST
+from gpulayer.store.migrations import LATEST, MIGRATIONS
 from gpulayer.store.sqlite import SqliteStore
 
 from helpers import refuse_commits
@@ -29,6 +29,26 @@ def test_new_store_is_migrated_and_reopens_with_its_data(tmp_path: Path) -> None
     assert job is not None and job.spec.command == ["x"] and job.marks == {"submitted": 1.5}
     assert [line.text for _, line in again.read_logs("j1")] == ["hi"]
     again.close()
+
+
+def test_a_store_of_an_older_schema_is_brought_up_to_date_with_its_jobs(tmp_path: Path) -> None:
+    path = tmp_path / "db.sqlite"
+    db = sqlite3.connect(path)
+    for statements in MIGRATIONS[:4]:  # as GPUlayer before "given_back" left it
+        for statement in statements:
+            db.execute(statement)
+    db.execute("PRAGMA user_version = 4")
+    db.execute(
+        "INSERT INTO jobs (id, seq, state, priority, spec, attempt) VALUES (?,?,?,?,?,?)",
+        ("j1", 1, "queued", 0, b'{"command":["x"]}', 2),
+    )
+    db.commit()
+    db.close()
+    store = SqliteStore(path)
+    assert store.schema_version == LATEST
+    job = store.get_job("j1")
+    assert job is not None and (job.attempt, job.given_back) == (2, 0)
+    store.close()
 
 
 def test_a_newer_schema_is_refused_untouched(tmp_path: Path) -> None:

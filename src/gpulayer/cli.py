@@ -342,7 +342,11 @@ def show(ctx: click.Context, job_id: str) -> None:
         "run": _what(spec) + (" " + " ".join(spec.args) if spec.args and spec.script else ""),
         "gpus": spec.gpus,
         "priority": spec.priority,
-        "attempt": info.attempt,
+        "attempt": (
+            f"{info.attempt} ({info.given_back} given back unrun, not counted)"
+            if info.given_back
+            else info.attempt
+        ),
         "retries allowed": spec.max_retries,
         "timeout": spec.timeout,
         "ranks": (

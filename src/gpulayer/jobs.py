@@ -59,6 +59,9 @@ class JobInfo(msgspec.Struct, kw_only=True):
     state: str = QUEUED
     seq: int = 0
     attempt: int = 0  # how many times it has been placed
+    # Attempts a stopping worker gave back before the job could run (a node
+    # of a job of several): they do not count against ``spec.max_retries``.
+    given_back: int = 0
     owner: str | None = None  # the control-plane instance responsible for it
     worker: str | None = None
     slots: list[int] = []
@@ -195,7 +198,9 @@ class TaskResult(msgspec.Struct, kw_only=True):
 def next_state(
     result: TaskResult, *, cancel_requested: bool, attempt: int, max_retries: int
 ) -> tuple[str, bool]:
-    """The job's state after a task ends, and whether to queue it again."""
+    """The job's state after a task ends, and whether to queue it again.
+    ``attempt``: the attempts that count against ``max_retries``, this one
+    included."""
     if cancel_requested or result.outcome == "cancelled":
         return CANCELLED, False
     if result.outcome == "timed_out":

@@ -84,10 +84,15 @@ class PlaneCore:
             # A cancel from another process on this home is only in the store.
             stored = self.store.get_job(job_id)
             cancel = cancel or bool(stored and stored.cancel_requested)
+        # A node of a job of several given back unrun by its stopping worker
+        # (the others were then ended): the job could not run, through no
+        # fault of its own. It goes again, under a new attempt number (the
+        # old one may still be on its way from other workers), uncounted.
+        given_back = run.given_back + (1 if result.outcome == "returned" else 0)
         state, again = jobs.next_state(
             result,
             cancel_requested=cancel,
-            attempt=run.attempt,
+            attempt=run.attempt - given_back,
             max_retries=run.spec.max_retries,
         )
         reason = "cancelled" if state == jobs.CANCELLED else jobs.describe_failure(result)
@@ -103,7 +108,9 @@ class PlaneCore:
                 marks["exited"] = max(exits)
         marks["finished"] = now
         self._release(job_id)
+        given_back_before = run.given_back
         if again:
+            run.given_back = given_back
             self._requeue(job_id, run)
         try:
             assignments = self._plan()
@@ -111,8 +118,13 @@ class PlaneCore:
                 if again:
                     tx.requeue(
                         job_id,
-                        reason=f"retrying after attempt {run.attempt} {state}: {reason}",
+                        reason=(
+                            f"queued again after attempt {run.attempt}, not counted as one: {reason}"
+                            if given_back > given_back_before
+                            else f"retrying after attempt {run.attempt} {state}: {reason}"
+                        ),
                         owner=self.instance_id,
+                        given_back=given_back,
                     )
                 else:
                     tx.finish(
@@ -126,6 +138,7 @@ class PlaneCore:
                 self._record(tx, assignments, now)
         except StoreError:
             if undo:
+                run.given_back = given_back_before
                 self._unrelease(job_id, run, requeued=again)
             raise
         self._dispatch(assignments, now)
@@ -137,6 +150,7 @@ class PlaneCore:
                 state=state,
                 seq=run.seq,
                 attempt=run.attempt,
+                given_back=run.given_back,
                 owner=self.instance_id,
                 worker=first.worker_id,
                 slots=list(first.slots),
@@ -314,6 +328,7 @@ class PlaneCore:
                 pending.request.seq,
                 tasks,
                 {"submitted": pending.submitted, "placed": now},
+                given_back=pending.given_back,
             )
             # Rank 0 listens on node 0, at the address its worker advertises.
             master = None
@@ -375,7 +390,7 @@ class PlaneCore:
     def _requeue(self, job_id: str, run: Running) -> None:
         spec = run.spec
         request = Request(job_id, spec.priority, run.seq, spec.gpus, spec.nodes)
-        self._enqueue(Pending(request, spec, run.attempt, run.marks["submitted"]))
+        self._enqueue(Pending(request, spec, run.attempt, run.marks["submitted"], run.given_back))
 
     def _end_lost(
         self,
@@ -397,7 +412,7 @@ class PlaneCore:
             )
             ended.append(job_id)
             return
-        if run.attempt <= run.spec.max_retries:
+        if run.counted <= run.spec.max_retries:
             self._requeue(job_id, run)
             tx.requeue(job_id, reason=f"retrying: {reason}", owner=self.instance_id)
         else:

@@ -46,7 +46,7 @@ class Recovery(PlaneCore):
                     if workers_outlive:
                         continue
                     reason = f"the GPUlayer process running it died (instance {dead_instance})"
-                    if job.attempt <= job.spec.max_retries:
+                    if job.attempt - job.given_back <= job.spec.max_retries:
                         tx.requeue(job.id, reason=f"retrying: {reason}", owner=self.instance_id)
                     else:
                         tx.finish(
@@ -63,8 +63,9 @@ class Recovery(PlaneCore):
                     request = Request(
                         job.id, job.spec.priority, job.seq, job.spec.gpus, job.spec.nodes
                     )
+                    submitted = job.marks.get("submitted", now)
                     self._enqueue(
-                        Pending(request, job.spec, job.attempt, job.marks.get("submitted", now))
+                        Pending(request, job.spec, job.attempt, submitted, job.given_back)
                     )
             assignments = self._plan()
             with self.store.transaction() as tx:
@@ -136,6 +137,7 @@ class Recovery(PlaneCore):
                 {k: v for k, v in job.marks.items() if k in ("submitted", "placed")},
                 results=ended,
                 cancel_requested=job.cancel_requested,
+                given_back=job.given_back,
             )
             if len(tasks) > 1:  # go on numbering its log lines after those stored
                 run.log_seq = self.store.last_log_seq(job.id, job.attempt)

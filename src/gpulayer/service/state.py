@@ -34,6 +34,7 @@ class Pending:
     spec: JobSpec
     attempt: int  # attempts made so far
     submitted: float
+    given_back: int = 0  # of those, given back unrun (not counted against retries)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Running:
     tasks: list[NodeTask]
     marks: dict[str, float]  # submitted, placed; for gangs the latest start marks
     cancel_requested: bool = False
+    given_back: int = 0  # earlier attempts given back unrun (see JobInfo)
     # Jobs of several nodes end when every node has: meanwhile, the results
     # so far (the earliest failure decides), the port node 0 reserved, and
     # the numbering of log lines that arrive from several workers.
@@ -68,6 +70,11 @@ class Running:
     @property
     def worker_id(self) -> str:
         return self.tasks[0].worker_id
+
+    @property
+    def counted(self) -> int:
+        """Its attempts that count against its retries, this one included."""
+        return self.attempt - self.given_back
 
     @property
     def started(self) -> bool:

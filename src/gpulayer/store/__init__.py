@@ -80,10 +80,17 @@ class Transaction(abc.ABC):
 
     @abc.abstractmethod
     def requeue(
-        self, job_id: str, *, reason: str | None, owner: str, attempt: int | None = None
+        self,
+        job_id: str,
+        *,
+        reason: str | None,
+        owner: str,
+        attempt: int | None = None,
+        given_back: int | None = None,
     ) -> None:
         """Queue a job again; ``attempt``, if given, is the attempts it has made
-        (one placement did not count)."""
+        (one placement did not count); ``given_back``, if given, how many of
+        them were given back unrun and do not count against its retries."""
 
     @abc.abstractmethod
     def request_cancel(self, job_id: str) -> None: ...

@@ -100,6 +100,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ALTER TABLE log_batches ADD COLUMN node_last INTEGER
         """,
     ),
+    # 5: attempts given back unrun by a stopping worker, which do not count
+    # against a job's retries (a node of a job of several).
+    (
+        """
+        ALTER TABLE jobs ADD COLUMN given_back INTEGER NOT NULL DEFAULT 0
+        """,
+    ),
 )
 
 LATEST = len(MIGRATIONS)

@@ -34,7 +34,7 @@ _decode_tasks = msgspec.json.Decoder(list[TaskInfo]).decode
 
 _JOB_COLUMNS = (
     "id, seq, state, spec, attempt, owner, worker, slots, gpus, exit_code, reason, "
-    "cancel_requested, pid, pid_created, marks, tasks"
+    "cancel_requested, pid, pid_created, marks, tasks, given_back"
 )
 
 
@@ -56,6 +56,7 @@ def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> J
         pcreated,
         marks,
         tasks,
+        given_back,
     ) = row
     return JobInfo(
         id=str(jid),
@@ -63,6 +64,7 @@ def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> J
         state=str(state),
         spec=_decode_spec(spec),  # type: ignore[arg-type]
         attempt=int(attempt),  # type: ignore[call-overload]
+        given_back=int(given_back),  # type: ignore[call-overload]
         owner=owner,  # type: ignore[arg-type]
         worker=worker,  # type: ignore[arg-type]
         slots=_decode_ints(slots),  # type: ignore[arg-type]
@@ -212,14 +214,20 @@ class _SqliteTransaction(Transaction):
         )
 
     def requeue(
-        self, job_id: str, *, reason: str | None, owner: str, attempt: int | None = None
+        self,
+        job_id: str,
+        *,
+        reason: str | None,
+        owner: str,
+        attempt: int | None = None,
+        given_back: int | None = None,
     ) -> None:
         # Marks after 'submitted' describe the attempt that ended; start afresh.
         self.db.execute(
             "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, pid_created=NULL, tasks=NULL, owner=?, "
-            "reason=?, attempt=COALESCE(?, attempt), "
+            "reason=?, attempt=COALESCE(?, attempt), given_back=COALESCE(?, given_back), "
             "marks=json_object('submitted', json_extract(marks, '$.submitted')) WHERE id=?",
-            (owner, reason, attempt, job_id),
+            (owner, reason, attempt, given_back, job_id),
         )
 
     def cancel_queued(self, job_id: str, at: float) -> bool:
