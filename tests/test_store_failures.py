@@ -255,3 +255,66 @@ def test_a_new_worker_whose_registration_the_store_refused_gets_no_work(
     assert plane.list_workers() == []
     job = plane.submit(parse_spec({"command": ["x"]}))
     assert job.state == "queued"  # not placed on a worker that no one knows
+
+
+def test_the_reaper_goes_on_past_a_loss_the_store_refused(tmp_path: Path) -> None:
+    now = [1000.0]
+    plane, store = _clocked(tmp_path, now)
+    try:
+        first, second = (
+            plane.register_worker(WorkerInfo(id="", name=n, host=n, slot_gpus=[None])).id
+            for n in "ab"
+        )
+        now[0] += 100
+        refuse_commits(plane.store)  # the first loss only
+        refused: list[str] = []
+        assert plane.reap(30, on_refused=lambda wid, exc: refused.append(wid)) == [second]
+        assert refused == [first]
+        assert [w.id for w in plane.list_workers()] == [first]
+        assert plane.reap(30) == [first]  # next turn
+    finally:
+        store.close()
+
+
+def test_the_server_logs_a_refused_loss_once_a_minute_not_each_turn(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import asyncio
+    import logging
+
+    from gpulayer.http.server import Server
+
+    server = Server(tmp_path / "home", heartbeat_timeout=0.2)
+    turns: list[list[str]] = []
+    reap = server.plane.reap
+
+    def counted(timeout: float, on_refused: object = None) -> list[str]:
+        turns.append(reap(timeout, on_refused=on_refused))  # type: ignore[arg-type]
+        if len(turns) == 6:
+            refusing.count = 0  # the disk has room again
+        if turns[-1]:
+            finished.set()
+        return turns[-1]
+
+    server.plane.reap = counted  # type: ignore[method-assign]
+    wid = server.plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+    refusing = refuse_commits(server.store, None)
+
+    async def main() -> None:
+        reaper = asyncio.create_task(server._reap_forever())
+        await finished.wait()
+        reaper.cancel()
+
+    finished = asyncio.Event()
+    try:
+        with caplog.at_level(logging.WARNING, logger="gpulayer.http.server"):
+            asyncio.run(main())
+    finally:
+        server.close()
+    refused = [r for r in caplog.records if "declaring it lost failed" in r.getMessage()]
+    assert len(turns) >= 6 and turns[-1] == [wid]
+    assert len(refused) == 1 and "disk is full" in refused[0].getMessage()
+    assert any(
+        f"worker {wid} stopped heartbeating: declared lost" in r.getMessage()
+        for r in caplog.records
+    )

@@ -20,15 +20,17 @@ import contextlib
 import gc
 import ipaddress
 import logging
+import math
 import os
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import defaults
 from ..artifacts import ArtifactStore
-from ..errors import GPUlayerError
+from ..errors import GPUlayerError, StoreError
 from ..home import Home
 from ..ids import new_id
 from ..service import ControlPlane
@@ -36,6 +38,7 @@ from ..store.sqlite import SqliteStore
 from . import auth
 
 _BACKLOG = 4096  # connections the kernel holds while the server is busy
+_REFUSED_LOG_EVERY_S = 60.0
 
 if TYPE_CHECKING:
     from .routing import App
@@ -169,14 +172,31 @@ class Server:
 
     async def _reap_forever(self) -> None:
         interval = max(0.05, self.heartbeat_timeout / 4)
+        said: dict[str, float] = {}  # worker id -> when its refused loss was last logged
+
+        def refused(worker_id: str, exc: StoreError) -> None:
+            # The reaper tries again every turn while the disk stays full:
+            # one line a minute for each worker, not one a turn.
+            now = time.monotonic()
+            if now - said.get(worker_id, -math.inf) >= _REFUSED_LOG_EVERY_S:
+                said[worker_id] = now
+                log.error(
+                    "worker %s stopped heartbeating, but declaring it lost failed: %s; "
+                    "trying again every %g s",
+                    worker_id,
+                    exc,
+                    interval,
+                )
+
         while True:
             await asyncio.sleep(interval)  # a timer, not a wait on the job path
             try:
-                lost = self.plane.reap(self.heartbeat_timeout)
+                lost = self.plane.reap(self.heartbeat_timeout, on_refused=refused)
             except Exception:
                 log.exception("checking worker heartbeats failed")
                 continue
             for worker_id in lost:
+                said.pop(worker_id, None)
                 log.warning("worker %s stopped heartbeating: declared lost", worker_id)
 
     def close(self) -> None:

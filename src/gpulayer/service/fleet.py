@@ -160,18 +160,33 @@ class Fleet(PlaneCore):
                 worker.closed = True
                 worker.wake.fire()
 
-    def reap(self, timeout: float) -> list[str]:
-        """Declare lost the workers silent for ``timeout`` seconds; their ids."""
+    def reap(
+        self, timeout: float, on_refused: Callable[[str, StoreError], None] | None = None
+    ) -> list[str]:
+        """Declare lost the workers silent for ``timeout`` seconds; their ids.
+
+        A loss the store refuses leaves that worker registered, to be tried
+        again on a later call. With ``on_refused``, it is told there (worker
+        id, error) and the other silent workers are still declared lost;
+        without, the error is raised."""
         now = self._clock()
         with self._lock:
             silent = [w for w in self._workers.values() if now - w.last_seen > timeout]
+        lost = []
         for worker in silent:
             quiet = now - worker.last_seen
-            self.unregister_worker(
-                worker.info.id,
-                reason=f"its worker {worker.info.name} stopped heartbeating ({quiet:.0f} s without a word)",
-            )
-        return [w.info.id for w in silent]
+            try:
+                self.unregister_worker(
+                    worker.info.id,
+                    reason=f"its worker {worker.info.name} stopped heartbeating ({quiet:.0f} s without a word)",
+                )
+            except StoreError as exc:
+                if on_refused is None:
+                    raise
+                on_refused(worker.info.id, exc)
+                continue
+            lost.append(worker.info.id)
+        return lost
 
     def unregister_worker(
         self, worker_id: str, reason: str = "its worker stopped", *, said: bool = False
