@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from gpulayer.jobs import (
     CancelTask,
     LogLine,
@@ -307,3 +309,40 @@ def test_a_restarted_plane_still_knows_what_was_given_back(tmp_path: Path) -> No
     job = second.get(job_id)
     assert (job.state, job.attempt, job.given_back) == ("queued", 2, 1), job.reason
     store.close()
+
+
+@pytest.mark.parametrize("returned_first", [True, False])
+def test_a_real_failure_beside_a_give_back_decides_whatever_the_order(
+    plane: ControlPlane, returned_first: bool
+) -> None:
+    job_id, _, _, w0, w1 = gang(plane)  # max_retries 0
+    plane.heartbeat(w1, stopping=True)
+    returned = result(job_id, w1, 1, outcome="returned")
+    error = result(job_id, w0, 0, outcome="error", error="no such image")
+    for report in (returned, error) if returned_first else (error, returned):
+        plane.task_finished(report)
+    final = plane.get(job_id)
+    assert (final.state, final.given_back) == ("failed", 0)
+    assert "no such image" in (final.reason or "")
+
+
+def test_a_gang_node_never_taken_by_a_worker_saying_goodbye_is_given_back(
+    plane: ControlPlane,
+) -> None:
+    a, b = worker(plane, "a"), worker(plane, "b")
+    job_id = plane.submit(parse_spec({"command": ["x"], "nodes": 2})).id  # max_retries 0
+    plane.take_instructions(a)  # b stops before taking its node (still in its inbox)
+    plane.unregister_worker(b, reason="its worker stopped", said=True)
+    assert plane.take_instructions(a) == [CancelTask(job_id=job_id, attempt=1)]
+    plane.task_finished(result(job_id, a, 0, outcome="cancelled"))
+    job = plane.get(job_id)
+    assert (job.state, job.attempt, job.given_back) == ("queued", 1, 1), job.reason
+
+
+def test_a_gang_node_its_worker_took_is_lost_when_the_worker_goes(plane: ControlPlane) -> None:
+    job_id, _, _, w0, w1 = gang(plane)  # both taken; max_retries 0
+    plane.unregister_worker(w1, reason="its worker stopped", said=True)
+    assert plane.take_instructions(w0) == [CancelTask(job_id=job_id, attempt=1)]
+    plane.task_finished(result(job_id, w0, 0, outcome="cancelled"))
+    job = plane.get(job_id)
+    assert (job.state, job.given_back) == ("lost", 0)

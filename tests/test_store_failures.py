@@ -318,3 +318,42 @@ def test_the_server_logs_a_refused_loss_once_a_minute_not_each_turn(
         f"worker {wid} stopped heartbeating: declared lost" in r.getMessage()
         for r in caplog.records
     )
+
+
+def _restarted_with_a_known_worker(store: SqliteStore) -> tuple[ControlPlane, str]:
+    """A plane after a restart, knowing a worker that has not registered again."""
+    first = ControlPlane(store, instance_id="first")
+    wid = first.register_worker(WorkerInfo(id="", name="w", host="w", slot_gpus=[None])).id
+    second = ControlPlane(store, instance_id="second")
+    second.recover("first", workers_outlive=True)
+    return second, wid
+
+
+def test_a_known_worker_whose_registration_was_refused_gets_no_work(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite")
+    plane, wid = _restarted_with_a_known_worker(store)
+    back = WorkerInfo(id=wid, name="w", host="w", slot_gpus=[None])
+    refuse_commits(store)
+    with pytest.raises(StoreError):
+        plane.register_worker(back, running=[])
+    assert plane.submit(parse_spec({"command": ["x"]})).state == "queued"
+    plane.register_worker(back, running=[])  # again, stored
+    (task,) = plane.take_instructions(wid)
+    assert isinstance(task, RunTask) and task.attempt == 1
+    store.close()
+
+
+def test_a_gang_waits_whole_for_a_worker_whose_registration_was_refused(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite")
+    plane, wid = _restarted_with_a_known_worker(store)
+    other = plane.register_worker(WorkerInfo(id="", name="v", host="v", slot_gpus=[None])).id
+    back = WorkerInfo(id=wid, name="w", host="w", slot_gpus=[None])
+    refuse_commits(store)
+    with pytest.raises(StoreError):
+        plane.register_worker(back, running=[])
+    job = plane.submit(parse_spec({"command": ["x"], "nodes": 2})).id  # max_retries 0
+    assert plane.get(job).state == "queued"  # not half on a worker no one has heard from
+    plane.register_worker(back, running=[])
+    placed = plane.take_instructions(wid) + plane.take_instructions(other)
+    assert sorted((t.node, t.attempt) for t in placed if isinstance(t, RunTask)) == [(0, 1), (1, 1)]
+    store.close()

@@ -244,18 +244,28 @@ class PlaneCore:
         )
 
     def _node_lost(
-        self, job_id: str, worker_id: str, reason: str, now: float, *, undo: bool = False
+        self,
+        job_id: str,
+        worker_id: str,
+        reason: str,
+        now: float,
+        *,
+        undo: bool = False,
+        said: bool = False,
     ) -> None:
+        """One node's worker is gone. ``said``: it said goodbye, so a node
+        it never took (still in its inbox) never ran: given back, not lost."""
         run = self._running.get(job_id)
         task = run.task_on(worker_id) if run is not None else None
         if run is None or task is None or task.ended:
             return
+        unrun = said and not task.delivered
         result = TaskResult(
             job_id=job_id,
             attempt=run.attempt,
             worker_id=worker_id,
-            outcome="lost",
-            error=reason,
+            outcome="returned" if unrun else "lost",
+            error=None if unrun else reason,
             node=task.node,
         )
         self._task_ended(job_id, run, task, result, now, undo=undo)

@@ -56,7 +56,6 @@ class Fleet(PlaneCore):
         reported = set(running)
         with self._lock:
             worker = self._workers.get(info.id)
-            new = worker is None
             lost: dict[str, Running] = {}
             gang_lost: list[str] = []  # tasks of jobs of several nodes it no longer has
             if worker is None:
@@ -67,7 +66,10 @@ class Fleet(PlaneCore):
                     generation=next(self._generations),
                 )
                 self._workers[info.id] = worker
+                before = None
             else:
+                # As it was, should the store refuse this registration (below).
+                before = (worker.info, worker.connected, worker.closed, set(worker.free))
                 worker.info, worker.connected, worker.closed = info, True, False
                 # Its previous process's long poll may still be open: end it
                 # empty-handed, and start afresh. Instructions not yet taken
@@ -132,14 +134,18 @@ class Fleet(PlaneCore):
                     assignments = self._plan()
                     self._record(tx, assignments, now)
             except StoreError:
-                # The worker registers again (it got a 503): the tasks it came
-                # back without go back on it, to be found missing then; a new
-                # worker is forgotten, as it will come under another id.
-                for job_id, run in lost.items():
-                    run.attempt = attempts[job_id]
-                    self._unrelease(job_id, run, requeued=job_id in self._queue)
-                if new:
+                # The worker registers again (it got a 503): nothing is placed
+                # on it meanwhile, and the tasks it came back without go back
+                # on it, to be found missing then. A new worker is forgotten:
+                # it will come under another id.
+                if before is None:
                     del self._workers[info.id]
+                else:
+                    worker.info, worker.connected, worker.closed, worker.free = before
+                    worker._capacity = None
+                    for job_id, run in lost.items():
+                        run.attempt = attempts[job_id]
+                        self._unrelease(job_id, run, requeued=job_id in self._queue)
                 raise
             self._dispatch(assignments, now)
             for job_id in ended:
@@ -210,7 +216,7 @@ class Fleet(PlaneCore):
             # tries again; what was stored stays done.
             try:
                 for job_id in [j for j in worker.running if len(self._running[j].tasks) > 1]:
-                    self._node_lost(job_id, worker_id, reason, now, undo=True)
+                    self._node_lost(job_id, worker_id, reason, now, undo=True, said=said)
                     worker.running.discard(job_id)
             except StoreError:
                 worker.closed, worker.said_goodbye = was_closed, said

@@ -174,11 +174,20 @@ def decisive(run: Running) -> TaskResult:
 
     The first failure is the cause: when one rank dies its peers usually fail
     after it (a connection closed under them) or are ended by us. A node
-    whose worker vanished comes first, since its ranks' end is unknown.
+    whose worker vanished comes first, since its ranks' end is unknown; a
+    node given back unrun comes last, so that it decides (and the attempt
+    goes uncounted) only when nothing else failed.
     """
     failed = failures(run)
     if failed:
-        return min(failed, key=lambda r: (r.outcome != "lost", r.marks.get("exited", float("inf"))))
+        return min(
+            failed,
+            key=lambda r: (
+                r.outcome != "lost",
+                r.outcome == "returned",
+                r.marks.get("exited", float("inf")),
+            ),
+        )
     cancelled = [r for r in run.results if r.outcome == "cancelled"]
     if cancelled:
         return cancelled[0]
