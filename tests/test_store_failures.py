@@ -4,6 +4,7 @@ control plane moves on and the store catches up with the job's next step."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import sys
@@ -357,3 +358,17 @@ def test_a_gang_waits_whole_for_a_worker_whose_registration_was_refused(tmp_path
     placed = plane.take_instructions(wid) + plane.take_instructions(other)
     assert sorted((t.node, t.attempt) for t in placed if isinstance(t, RunTask)) == [(0, 1), (1, 1)]
     store.close()
+
+
+def test_waiters_are_woken_by_a_stored_end_though_the_read_after_it_fails(
+    plane: ControlPlane,
+) -> None:
+    job = plane.submit(parse_spec({"command": ["x"]})).id  # no worker: queued
+    _, done = plane.watch_job(job)
+    assert done is not None
+    woken: list[bool] = []
+    done.signal.subscribe(lambda: woken.append(True))
+    refuse_commits(plane.store, 0).reads_fail = True
+    with contextlib.suppress(StoreError):  # its reply reads the record: that may fail
+        plane.cancel(job)
+    assert woken == [True]

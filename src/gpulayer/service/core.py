@@ -11,6 +11,7 @@ method here is called with ``self._lock`` held.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import threading
 import time
@@ -432,8 +433,13 @@ class PlaneCore:
     def _signal_done(self, job_id: str, final: JobInfo | None = None) -> None:
         done = self._done.pop(job_id, None)
         if done is not None:
-            # Hand waiters the record (saves each a read of the store).
-            done.job = final = final or self.store.get_job(job_id)
+            # Hand waiters the record (saves each a read of the store). The
+            # end is stored already: a read that fails now must not keep them
+            # waiting; they read the record themselves.
+            if final is None:
+                with contextlib.suppress(StoreError):
+                    final = self.store.get_job(job_id)
+            done.job = final
             done.signal.fire()
         if final is not None and final.done:
             self._finished[job_id] = final
