@@ -322,3 +322,14 @@ def test_a_write_the_store_refuses_delays_a_report_and_loses_nothing(
     refuse_commits(store)  # the next write fails
     assert job.wait(timeout=60) == "succeeded"  # its worker's report went again
     assert job.logs().strip() == "done"
+
+
+def test_a_job_does_not_get_its_workers_token(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's token (in its environment, as docs/server.md starts one) is
+    not its jobs': a job printing it would hand it to every reader of its logs."""
+    monkeypatch.setenv("GPULAYER_TOKEN", "glt_w_not-for-jobs")
+    with gpulayer.Client(home=home) as client:
+        client.ensure_local_workers(1)
+        job = client.submit(command=["sh", "-c", 'echo "token=${GPULAYER_TOKEN-unset}"'])
+        assert job.wait(timeout=60) == "succeeded"
+        assert job.logs() == "token=unset\n"

@@ -3,9 +3,11 @@ or straight into an ASGI app, with no socket."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
 
 from server.conftest import ServerProc
@@ -43,22 +45,41 @@ def request(
 
 
 async def asgi_request(
-    app: ASGIApp, method: str, path: str, query: str = "", body: object = None
+    app: ASGIApp,
+    method: str,
+    path: str,
+    query: str = "",
+    body: object = None,
+    *,
+    raw: bytes | None = None,
+    token: str | None = None,
+    headers: Sequence[tuple[bytes, bytes]] = (),
 ) -> tuple[int, dict[str, str], Any]:
-    """One request straight into ``app``: (status, headers, JSON body or None)."""
-    raw = json.dumps(body).encode() if body is not None else b""
+    """One request straight into ``app``: (status, headers, JSON body, or the
+    bytes of any other body, or None).
+    ``raw``: the body's bytes as they are, instead of ``body`` as JSON."""
+    if raw is None:
+        raw = json.dumps(body).encode() if body is not None else b""
+    sent_headers = [(b"content-type", b"application/json")] if raw else []
+    if token is not None:
+        sent_headers.append((b"authorization", f"Bearer {token}".encode()))
     scope = {
         "type": "http",
         "method": method,
         "path": path,
         "raw_path": path.encode(),
         "query_string": query.encode(),
-        "headers": [(b"content-type", b"application/json")] if raw else [],
+        "headers": [*sent_headers, *headers],
     }
     sent: list[dict[str, Any]] = []
 
+    messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
     async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": raw, "more_body": False}
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()  # the client stays connected (until cancelled)
+        return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
@@ -67,4 +88,8 @@ async def asgi_request(
     start = sent[0]
     headers = {k.decode(): v.decode() for k, v in start["headers"]}
     content = b"".join(m.get("body", b"") for m in sent[1:])
-    return start["status"], headers, json.loads(content) if content else None
+    if not content:
+        return start["status"], headers, None
+    if headers.get("content-type") != "application/json":
+        return start["status"], headers, content  # a blob, as it came
+    return start["status"], headers, json.loads(content)

@@ -79,9 +79,14 @@ async def _body(request: Request, kind: type[T]) -> T:
     try:
         body = msgspec.json.decode(raw, type=kind, strict=True)
     except msgspec.ValidationError as exc:
-        body = _with_whole_floats(raw, kind, exc)
+        try:
+            body = _with_whole_floats(raw, kind, exc)
+        except RecursionError:
+            raise ApiError(422, "invalid request body: nested too deeply") from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(422, "invalid request body: nested too deeply") from None
     if _LONG_DIGITS.search(raw):  # rare: look for integers the store cannot hold
         where = _too_big(body, "$")
         if where is not None:
@@ -393,7 +398,8 @@ class Api:
     # ---- workers ----
 
     def _check_owner(self, request: Request, worker_id: str) -> None:
-        """A worker token may act only for a worker it registered."""
+        """A worker token may act only for a worker it registered (or one
+        not bound since the server started: it registers again soon)."""
         role, token = request.scope[_CALLER]
         if role != auth.WORKER:
             return  # admins (and servers without auth) act for any worker
@@ -409,9 +415,10 @@ class Api:
         if body.worker.id:  # coming back under its id: only with the token it had
             self._check_owner(request, body.worker.id)
         info = self.plane.register_worker(body.worker, [(j, a) for j, a in body.running])
-        role, token = request.scope[_CALLER]
-        if role == auth.WORKER:
-            self._owners[info.id] = token
+        # Whatever its role: a worker an admin's token registered (a local
+        # worker a client started) is not for any worker token to act for.
+        _, token = request.scope[_CALLER]
+        self._owners[info.id] = token
         response = _json(info, 201)
         response.headers[_GENERATION] = str(self.plane.generation(info.id))
         return response

@@ -292,18 +292,22 @@ class ControlPlane(Fleet, Recovery):
             if worker is None:
                 return False
             specs = [self._running[j].spec for j in worker.running if j in self._running]
-        roots = []
+        manifests = []  # the roots of trees: the bundle, folder inputs
         for spec in specs:
             if spec.bundle is not None:
-                roots.append(spec.bundle)
-            roots += [ref.digest for ref in spec.inputs.values()]
-            if digest in roots:
-                return True
-        for root in roots:
+                if digest == spec.bundle:
+                    return True
+                manifests.append(spec.bundle)
+            for ref in spec.inputs.values():
+                if digest == ref.digest:
+                    return True
+                if ref.kind == "dir":  # a file input is no manifest: never read here
+                    manifests.append(ref.digest)
+        for root in manifests:
             try:
                 manifest = bundle.load(artifacts, root)
             except GPUlayerError:
-                continue  # a file input, not a manifest
+                continue  # gone, or not a manifest after all
             if any(e.digest == digest for e in manifest.entries):
                 return True
         return False

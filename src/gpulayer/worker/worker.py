@@ -104,6 +104,9 @@ class Worker:
         self._spares: list[Path] = []
         # The environment every task starts from, taken once (see TaskRun).
         self._base_env = dict(os.environb)
+        # The worker's token is its own, not its jobs': a job that printed it
+        # would hand it to every reader of its logs.
+        self._base_env.pop(b"GPULAYER_TOKEN", None)
         self._dir_numbers = itertools.count(1)
         # A worker process of its own keeps a ledger of its tasks' processes,
         # for the next one on this home to end if it dies (see ledger.py).

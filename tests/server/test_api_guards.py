@@ -1,0 +1,144 @@
+"""What the API refuses, and what it must not do, driven straight into the
+ASGI app with real tokens: each of these was once a defect a review proved."""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpulayer import bundle
+from gpulayer.artifacts import ArtifactStore
+from gpulayer.http import auth
+from gpulayer.http.app import create_app
+from gpulayer.http.routing import App
+from gpulayer.service import ControlPlane
+from gpulayer.store.sqlite import SqliteStore
+from server.rawhttp import asgi_request
+
+
+def _app(tmp_path: Path, instance: str = "s1") -> tuple[App, ControlPlane, ArtifactStore]:
+    store = SqliteStore(tmp_path / "db.sqlite")
+    plane = ControlPlane(store, instance_id=instance)
+    artifacts = ArtifactStore(tmp_path / "blobs")
+    return create_app(plane, artifacts), plane, artifacts
+
+
+def _worker(wid: str = "") -> dict[str, Any]:
+    return {"worker": {"id": wid, "name": "w", "host": "h", "slot_gpus": [None]}, "running": []}
+
+
+@pytest.mark.parametrize("depth", [500, 5000])
+def test_a_body_nested_too_deeply_is_a_422_not_a_500(tmp_path: Path, depth: int) -> None:
+    app, plane, _ = _app(tmp_path)
+    admin = auth.create_token(plane.store, "admin")
+    # A float where an integer goes makes the server look at the body again.
+    raw = b'{"spec": {"command": ["true"], "gpus": 2.5}, "x": ' + b"[" * depth + b"]" * depth + b"}"
+    status, _, body = asyncio.run(asgi_request(app, "POST", "/api/v1/jobs", raw=raw, token=admin))
+    assert status == 422 and "nested too deeply" in body["error"]
+
+
+def test_a_worker_token_cannot_act_for_a_worker_an_admin_registered(tmp_path: Path) -> None:
+    """Local workers (``ensure_local_workers``) register with the client's token."""
+    app, plane, artifacts = _app(tmp_path)
+    admin = auth.create_token(plane.store, "admin")
+    intruder = auth.create_token(plane.store, "worker")
+    secret = artifacts.put_bytes(b"another user's input")
+
+    async def scenario() -> list[int]:
+        _, _, worker = await asgi_request(
+            app, "POST", "/api/v1/workers", body=_worker(), token=admin
+        )
+        wid = worker["id"]
+        spec = {"command": ["cat", "x"], "inputs": {"x": {"kind": "file", "digest": secret}}}
+        await asgi_request(app, "POST", "/api/v1/jobs", body={"spec": spec}, token=admin)
+        as_it = [(b"x-gpulayer-worker", wid.encode())]
+        return [
+            (
+                await asgi_request(
+                    app, "POST", f"/api/v1/workers/{wid}/acquire", "timeout=0", token=intruder
+                )
+            )[0],
+            (
+                await asgi_request(
+                    app, "GET", f"/api/v1/blobs/{secret}", token=intruder, headers=as_it
+                )
+            )[0],
+            (await asgi_request(app, "POST", "/api/v1/workers", body=_worker(wid), token=intruder))[
+                0
+            ],
+        ]
+
+    assert asyncio.run(scenario()) == [403, 403, 403]
+
+
+def test_a_task_its_worker_took_before_a_restart_counts_when_the_worker_comes_back_without_it(
+    tmp_path: Path,
+) -> None:
+    """Whether the worker took it was kept in memory only: after a restart it
+    may have run (its start report waits 0.5 s), so it is not run again as
+    the same attempt, uncounted."""
+    app, plane, _ = _app(tmp_path, "s1")
+    worker = auth.create_token(plane.store, "worker")
+    user = auth.create_token(plane.store, "user")
+
+    async def before() -> tuple[str, str]:
+        _, _, w = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=worker)
+        spec = {"spec": {"command": ["sleep", "600"]}}  # max_retries 0
+        _, _, job = await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user)
+        path = f"/api/v1/workers/{w['id']}/acquire"
+        status, _, items = await asgi_request(app, "POST", path, "timeout=0&ack=0", token=worker)
+        assert status == 200 and items[0]["job_id"] == job["id"]
+        return w["id"], job["id"]
+
+    wid, jid = asyncio.run(before())
+    plane.store.close()
+    restarted = ControlPlane(SqliteStore(tmp_path / "db.sqlite"), instance_id="s2")
+    restarted.recover("s1", workers_outlive=True)
+    app = create_app(restarted, ArtifactStore(tmp_path / "blobs"))
+    back = asgi_request(app, "POST", "/api/v1/workers", body=_worker(wid), token=worker)
+    assert asyncio.run(back)[0] == 201  # its process was restarted: it runs nothing
+    job = restarted.get(jid)
+    assert (job.state, job.attempt) == ("lost", 1), job.reason
+    restarted.store.close()
+
+
+def test_a_workers_fetch_does_not_read_its_big_file_inputs(tmp_path: Path) -> None:
+    app, plane, artifacts = _app(tmp_path)
+    worker = auth.create_token(plane.store, "worker")
+    user = auth.create_token(plane.store, "user")
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        f.truncate(200 * 2**20)
+    big_digest = artifacts.put_file(big)
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "small.txt").write_text("hello")
+    manifest = bundle.scan(folder)
+    folder_digest = bundle.store(folder, manifest, artifacts)
+    small = next(e.digest for e in manifest.entries if e.kind == "file")
+
+    async def fetch() -> int:
+        _, _, w = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=worker)
+        inputs = {
+            "a": {"kind": "file", "digest": big_digest, "size": 200 * 2**20},
+            "b": {"kind": "dir", "digest": folder_digest, "size": 5},
+        }
+        spec = {"spec": {"command": ["true"], "inputs": inputs}}
+        await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user)
+        as_it = [(b"x-gpulayer-worker", w["id"].encode())]
+        return (
+            await asgi_request(app, "GET", f"/api/v1/blobs/{small}", token=worker, headers=as_it)
+        )[0]
+
+    tracemalloc.start()
+    try:
+        assert asyncio.run(fetch()) == 200
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 * 2**20, f"a 5-byte fetch allocated {peak / 2**20:.0f} MiB"
+    plane.store.close()
