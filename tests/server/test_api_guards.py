@@ -4,6 +4,7 @@ ASGI app with real tokens: each of these was once a defect a review proved."""
 from __future__ import annotations
 
 import asyncio
+import json
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -75,37 +76,6 @@ def test_a_worker_token_cannot_act_for_a_worker_an_admin_registered(tmp_path: Pa
     assert asyncio.run(scenario()) == [403, 403, 403]
 
 
-def test_a_task_its_worker_took_before_a_restart_counts_when_the_worker_comes_back_without_it(
-    tmp_path: Path,
-) -> None:
-    """Whether the worker took it was kept in memory only: after a restart it
-    may have run (its start report waits 0.5 s), so it is not run again as
-    the same attempt, uncounted."""
-    app, plane, _ = _app(tmp_path, "s1")
-    worker = auth.create_token(plane.store, "worker")
-    user = auth.create_token(plane.store, "user")
-
-    async def before() -> tuple[str, str]:
-        _, _, w = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=worker)
-        spec = {"spec": {"command": ["sleep", "600"]}}  # max_retries 0
-        _, _, job = await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user)
-        path = f"/api/v1/workers/{w['id']}/acquire"
-        status, _, items = await asgi_request(app, "POST", path, "timeout=0&ack=0", token=worker)
-        assert status == 200 and items[0]["job_id"] == job["id"]
-        return w["id"], job["id"]
-
-    wid, jid = asyncio.run(before())
-    plane.store.close()
-    restarted = ControlPlane(SqliteStore(tmp_path / "db.sqlite"), instance_id="s2")
-    restarted.recover("s1", workers_outlive=True)
-    app = create_app(restarted, ArtifactStore(tmp_path / "blobs"))
-    back = asgi_request(app, "POST", "/api/v1/workers", body=_worker(wid), token=worker)
-    assert asyncio.run(back)[0] == 201  # its process was restarted: it runs nothing
-    job = restarted.get(jid)
-    assert (job.state, job.attempt) == ("lost", 1), job.reason
-    restarted.store.close()
-
-
 def test_a_workers_fetch_does_not_read_its_big_file_inputs(tmp_path: Path) -> None:
     app, plane, artifacts = _app(tmp_path)
     worker = auth.create_token(plane.store, "worker")
@@ -142,3 +112,50 @@ def test_a_workers_fetch_does_not_read_its_big_file_inputs(tmp_path: Path) -> No
         tracemalloc.stop()
     assert peak < 50 * 2**20, f"a 5-byte fetch allocated {peak / 2**20:.0f} MiB"
     plane.store.close()
+
+
+def test_a_blob_the_disk_cannot_take_is_a_503_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import hashlib
+
+    from gpulayer.artifacts import BlobWriter
+
+    def full(self: BlobWriter, chunk: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    app, plane, artifacts = _app(tmp_path)
+    user = auth.create_token(plane.store, "user")
+    data = b"a blob"
+    digest = hashlib.sha256(data).hexdigest()
+    monkeypatch.setattr(BlobWriter, "write", full)
+    put = asgi_request(app, "PUT", f"/api/v1/blobs/{digest}", raw=data, token=user)
+    status, _, body = asyncio.run(put)
+    assert status == 503
+    assert "No space left on device" in body["error"] and "try again" in body["error"]
+    assert not artifacts.has(digest)
+    assert [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()] == []
+    plane.store.close()
+
+
+def test_a_job_not_found_is_not_taken_for_a_missing_blob() -> None:
+    """The client tells the two 404s apart by the server's words, not by
+    whether "blob" appears (a job id may hold it)."""
+    from gpulayer.errors import ArtifactError, JobNotFoundError
+    from gpulayer.transport.http import HttpTransport
+
+    class Reply:
+        status = 404
+
+        def __init__(self, message: str) -> None:
+            self.body = json.dumps({"error": message}).encode()
+
+        def read(self) -> bytes:
+            return self.body
+
+    transport = HttpTransport("http://127.0.0.1:1")
+    job = transport._error(Reply("no job with id 'myblob'"))  # type: ignore[arg-type]
+    blob = transport._error(Reply(f"no blob {'0' * 64} on this server"))  # type: ignore[arg-type]
+    assert isinstance(job, JobNotFoundError) and not isinstance(job, ArtifactError)
+    assert isinstance(blob, ArtifactError)

@@ -374,14 +374,22 @@ class Api:
             async for _ in request.stream():
                 pass  # drain what was sent; the blob is already here
             return _json({"digest": digest}, 200)
-        writer = self.artifacts.writer(digest)
         try:
-            async for chunk in request.stream():
-                writer.write(chunk)
-        except BaseException:
-            writer.abort()
-            raise
-        return _json({"digest": writer.commit(), "size": writer.size}, 201)
+            writer = self.artifacts.writer(digest)
+            try:
+                async for chunk in request.stream():
+                    writer.write(chunk)
+                stored = writer.commit()
+            except BaseException:
+                writer.abort()
+                raise
+        except OSError as exc:  # a full disk: the server's, not the request's
+            log.error("storing blob %s failed: %s", digest, exc)
+            raise ApiError(
+                503,
+                f"the server could not store blob {digest} ({exc.strerror}); nothing was kept, try again",
+            ) from None
+        return _json({"digest": stored, "size": writer.size}, 201)
 
     async def get_blob(self, request: Request) -> ASGIResponse:
         digest = request.path_params["digest"]

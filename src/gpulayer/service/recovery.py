@@ -127,10 +127,6 @@ class Recovery(PlaneCore):
                         tuple(placement.slots),
                         tuple(placement.gpus),
                         started=placement.pid is not None or "started" in job.marks,
-                        # Unknown after a restart (it was kept in memory):
-                        # it may have reached its worker and run, so a
-                        # worker back without it has lost an attempt.
-                        delivered=True,
                     )
                 )
             run = Running(

@@ -250,7 +250,7 @@ class HttpTransport(Transport):
         status = response.status
         if status in (401, 403):
             return AccessDenied(f"{message} ({self.url})")
-        if status == 404 and "blob" in message:
+        if status == 404 and message.startswith("no blob "):
             return ArtifactError(message)
         if status == 404:
             return JobNotFoundError(message)
