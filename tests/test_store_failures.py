@@ -372,3 +372,30 @@ def test_waiters_are_woken_by_a_stored_end_though_the_read_after_it_fails(
     with contextlib.suppress(StoreError):  # its reply reads the record: that may fail
         plane.cancel(job)
     assert woken == [True]
+
+
+@pytest.mark.parametrize("adopted", [True, False])
+def test_a_task_placed_before_a_restart_counts_if_a_new_worker_process_comes_back_without_it(
+    tmp_path: Path, adopted: bool
+) -> None:
+    """Whether the worker took it was kept in memory only. A new worker
+    process (adopting the dead one's id, after ending what it ran) may have
+    had it running: lost, not run again as the same attempt. The same worker
+    process, registering again, would have named it or reported its end."""
+    store = SqliteStore(tmp_path / "db.sqlite")
+    first = ControlPlane(store, instance_id="first")
+    wid = first.register_worker(WorkerInfo(id="", name="w", host="w", slot_gpus=[None])).id
+    job = first.submit(parse_spec({"command": ["x"]})).id  # max_retries 0
+    (task,) = first.take_instructions(wid)
+    assert isinstance(task, RunTask)
+    second = ControlPlane(store, instance_id="second")
+    second.recover("first", workers_outlive=True)
+    back = WorkerInfo(id=wid, name="w", host="w", slot_gpus=[None])
+    second.register_worker(back, running=[], adopted=adopted)
+    info = second.get(job)
+    if adopted:
+        assert (info.state, info.attempt) == ("lost", 1)
+        assert info.reason == "its worker came back without it"
+    else:
+        assert (info.state, info.attempt) == ("running", 1)  # placed again, uncounted
+    store.close()

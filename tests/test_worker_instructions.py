@@ -169,11 +169,11 @@ class _UnknownAndAway(InProcessTransport):
         self.enough = threading.Event()
 
     def register_worker(
-        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = ()
+        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = (), *, adopted: bool = False
     ) -> WorkerInfo:
         if not self.registered:  # the first: the worker's start
             self.registered = True
-            return super().register_worker(info, running)
+            return super().register_worker(info, running, adopted=adopted)
         self.attempts.append(time.monotonic())
         if len(self.attempts) == 3:
             self.enough.set()

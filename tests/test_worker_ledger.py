@@ -70,3 +70,30 @@ def test_record_files_are_reused_in_place_and_blanked_when_tasks_end(tmp_path: P
     finally:
         ledger.close()
     assert not ledger.dir.exists()
+
+
+def test_a_worker_taking_over_a_dead_ones_id_says_it_adopted_it(home: Path) -> None:
+    """So the control plane counts what the dead one may have run (see
+    test_gangs / test_store_failures for what it does with that)."""
+    work = home / "ledger-workers"
+    dead = Ledger(work)
+    dead.set_worker_id("1m8deadworker0")
+    os.close(dead._fd)  # the process died: its lock went with it
+    embedded = Embedded(home)
+    calls: list[tuple[str, bool]] = []
+    register = embedded.transport.register_worker
+
+    def recorded(info, running=(), *, adopted=False):  # type: ignore[no-untyped-def]
+        calls.append((info.id, adopted))
+        return register(info, running, adopted=adopted)
+
+    embedded.transport.register_worker = recorded  # type: ignore[method-assign]
+    worker = Worker(
+        embedded.transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True
+    )
+    try:
+        worker.start()
+        assert calls == [("1m8deadworker0", True)]
+    finally:
+        worker.stop(timeout=5)
+        embedded.close()

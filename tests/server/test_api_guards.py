@@ -76,6 +76,39 @@ def test_a_worker_token_cannot_act_for_a_worker_an_admin_registered(tmp_path: Pa
     assert asyncio.run(scenario()) == [403, 403, 403]
 
 
+def test_a_task_taken_before_a_restart_counts_when_a_new_worker_process_adopts_its_worker(
+    tmp_path: Path,
+) -> None:
+    """The worker was killed after taking it, and the server restarted, before
+    its start report (sent after 0.5 s) arrived: the new worker process on its
+    home ended it, and says it adopted the dead one's id."""
+    app, plane, _ = _app(tmp_path, "s1")
+    worker = auth.create_token(plane.store, "worker")
+    user = auth.create_token(plane.store, "user")
+
+    async def before() -> tuple[str, str]:
+        _, _, w = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=worker)
+        spec = {"spec": {"command": ["sleep", "600"]}}  # max_retries 0
+        _, _, job = await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user)
+        path = f"/api/v1/workers/{w['id']}/acquire"
+        status, _, items = await asgi_request(app, "POST", path, "timeout=0&ack=0", token=worker)
+        assert status == 200 and items[0]["job_id"] == job["id"]
+        return w["id"], job["id"]
+
+    wid, jid = asyncio.run(before())
+    plane.store.close()
+    restarted = ControlPlane(SqliteStore(tmp_path / "db.sqlite"), instance_id="s2")
+    restarted.recover("s1", workers_outlive=True)
+    app = create_app(restarted, ArtifactStore(tmp_path / "blobs"))
+    body = {**_worker(wid), "adopted": True}
+    assert (
+        asyncio.run(asgi_request(app, "POST", "/api/v1/workers", body=body, token=worker))[0] == 201
+    )
+    job = restarted.get(jid)
+    assert (job.state, job.attempt) == ("lost", 1), job.reason
+    restarted.store.close()
+
+
 def test_a_workers_fetch_does_not_read_its_big_file_inputs(tmp_path: Path) -> None:
     app, plane, artifacts = _app(tmp_path)
     worker = auth.create_token(plane.store, "worker")

@@ -422,7 +422,8 @@ class Api:
         body = await _body(request, RegisterRequest)
         if body.worker.id:  # coming back under its id: only with the token it had
             self._check_owner(request, body.worker.id)
-        info = self.plane.register_worker(body.worker, [(j, a) for j, a in body.running])
+        running = [(j, a) for j, a in body.running]
+        info = self.plane.register_worker(body.worker, running, adopted=body.adopted)
         # Whatever its role: a worker an admin's token registered (a local
         # worker a client started) is not for any worker token to act for.
         _, token = request.scope[_CALLER]

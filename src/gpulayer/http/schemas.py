@@ -40,6 +40,9 @@ class BlobList(msgspec.Struct, forbid_unknown_fields=True):
 class RegisterRequest(msgspec.Struct, forbid_unknown_fields=True):
     worker: WorkerInfo
     running: list[tuple[str, int]] = []  # (job id, attempt) a returning worker still runs
+    # A new worker process taking the id of one that died: what that one took
+    # may have run, even where the server cannot know it took it.
+    adopted: bool = False
 
 
 class HeartbeatRequest(msgspec.Struct, forbid_unknown_fields=True):

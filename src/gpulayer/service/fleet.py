@@ -40,14 +40,17 @@ class Fleet(PlaneCore):
     # ---- workers -------------------------------------------------------
 
     def register_worker(
-        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = ()
+        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = (), *, adopted: bool = False
     ) -> WorkerInfo:
         """Add a worker, or re-attach one that was here before (same id).
 
         A returning worker names the tasks it still runs (job id, attempt):
         those stay running; the ones it no longer has end as lost (or are
         retried); ones this control plane has already given up on are
-        cancelled on the worker.
+        cancelled on the worker. One it never took is queued again, not
+        counted; but where this control plane cannot know whether it was
+        taken (placed before a restart) and the worker is ``adopted`` (a new
+        process, which ended what the dead one ran), it may have run: lost.
         """
         now = self._clock()
         info.id = info.id or new_id()
@@ -121,7 +124,13 @@ class Fleet(PlaneCore):
             try:
                 with self.store.transaction() as tx:
                     for job_id, run in lost.items():
-                        if run.started or run.cancel_requested or tx.cancel_requested(job_id):
+                        unknown = adopted and any(t.delivered is None for t in run.tasks)
+                        if (
+                            run.started
+                            or unknown
+                            or run.cancel_requested
+                            or tx.cancel_requested(job_id)
+                        ):
                             reason = "its worker came back without it"
                             self._end_lost(tx, run, job_id, reason, now, ended)
                         else:  # placed, but it never reached the worker: not an attempt

@@ -127,6 +127,7 @@ class Recovery(PlaneCore):
                         tuple(placement.slots),
                         tuple(placement.gpus),
                         started=placement.pid is not None or "started" in job.marks,
+                        delivered=None,  # kept in memory only: unknown now
                     )
                 )
             run = Running(

@@ -45,7 +45,9 @@ class NodeTask:
     worker_id: str
     slots: tuple[int, ...]
     gpus: tuple[int, ...]
-    delivered: bool = False  # its worker took the instruction
+    # Its worker took the instruction; None: unknown (placed before a restart
+    # of the control plane, which kept this in memory only).
+    delivered: bool | None = False
     started: bool = False  # its worker reported the process started
     ended: bool = False  # its worker reported its end (or was lost)
 

@@ -81,9 +81,11 @@ class Transport(abc.ABC):
     # ---- workers ----
     @abc.abstractmethod
     def register_worker(
-        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = ()
+        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = (), *, adopted: bool = False
     ) -> WorkerInfo:
-        """Register, or re-attach with the tasks (job id, attempt) still running here."""
+        """Register, or re-attach with the tasks (job id, attempt) still running here.
+        ``adopted``: a new worker process taking the id of one that died (it
+        ended what that one left running)."""
 
     @abc.abstractmethod
     def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:

@@ -414,9 +414,12 @@ class HttpTransport(Transport):
     # ---- workers ----
 
     def register_worker(
-        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = ()
+        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = (), *, adopted: bool = False
     ) -> WorkerInfo:
-        body = _encode({"worker": info, "running": [list(r) for r in running]})
+        fields: dict[str, Any] = {"worker": info, "running": [list(r) for r in running]}
+        if adopted:  # only then: a server from before this field still takes the rest
+            fields["adopted"] = True
+        body = _encode(fields)
         with self._exchange("POST", "/api/v1/workers", body=body) as response:
             registered = msgspec.json.decode(response.read(), type=WorkerInfo)
             generation = response.getheader("X-GPUlayer-Generation")

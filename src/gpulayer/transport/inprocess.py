@@ -71,9 +71,9 @@ class InProcessTransport(Transport):
         return cache.path(digest)
 
     def register_worker(
-        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = ()
+        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = (), *, adopted: bool = False
     ) -> WorkerInfo:
-        return self.plane.register_worker(info, running)
+        return self.plane.register_worker(info, running, adopted=adopted)
 
     def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
         self.plane.heartbeat(worker_id, stopping=stopping)

@@ -124,13 +124,14 @@ class Worker:
         return self.info.id
 
     def start(self) -> None:
+        adopted = False
         if self._ledger is not None:
             previous = self._ledger.recover(grace=self.kill_grace)
             if previous and not self.info.id:
                 # Come back as the dead worker: the server learns at once
                 # that its tasks are gone, not after the heartbeat timeout.
-                self.info.id = previous
-        self.info = self.transport.register_worker(self.info)
+                self.info.id, adopted = previous, True
+        self.info = self.transport.register_worker(self.info, adopted=adopted)
         if self._ledger is not None:
             self._ledger.set_worker_id(self.info.id)
         self._interface = interface_of(self.info.address)
