@@ -65,6 +65,8 @@ FINISHED_JOBS_KEPT = 4096
 # Waiting on one job also asks about up to this many of the client's other
 # unfinished jobs (oldest first), whose ends come with the reply.
 WAIT_ALSO_MAX = 64
+# Manifests whose listed blobs the server keeps to check workers' fetches.
+MANIFESTS_KEPT = 64
 
 # Server mode.
 SERVER_PORT = 8585

@@ -192,3 +192,46 @@ def test_a_job_not_found_is_not_taken_for_a_missing_blob() -> None:
     blob = transport._error(Reply(f"no blob {'0' * 64} on this server"))  # type: ignore[arg-type]
     assert isinstance(job, JobNotFoundError) and not isinstance(job, ArtifactError)
     assert isinstance(blob, ArtifactError)
+
+
+def test_a_workers_fetches_of_a_folders_files_read_its_manifest_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app, plane, artifacts = _app(tmp_path)
+    worker = auth.create_token(plane.store, "worker")
+    user = auth.create_token(plane.store, "user")
+    folder = tmp_path / "d"
+    folder.mkdir()
+    for i in range(5):
+        (folder / f"f{i}.txt").write_text(f"file {i}")
+    manifest = bundle.scan(folder)
+    folder_digest = bundle.store(folder, manifest, artifacts)
+    files = [e.digest for e in manifest.entries if e.kind == "file"]
+    loads: list[str] = []
+    load = bundle.load
+
+    def counted(source: Any, digest: str) -> bundle.Manifest:
+        loads.append(digest)
+        return load(source, digest)
+
+    monkeypatch.setattr(bundle, "load", counted)
+
+    async def fetch_all() -> list[int]:
+        _, _, w = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=worker)
+        inputs = {"d": {"kind": "dir", "digest": folder_digest}}
+        await asgi_request(
+            app,
+            "POST",
+            "/api/v1/jobs",
+            body={"spec": {"command": ["true"], "inputs": inputs}},
+            token=user,
+        )
+        as_it = [(b"x-gpulayer-worker", w["id"].encode())]
+        return [
+            (await asgi_request(app, "GET", f"/api/v1/blobs/{d}", token=worker, headers=as_it))[0]
+            for d in files
+        ]
+
+    assert asyncio.run(fetch_all()) == [200] * len(files)
+    assert loads == [folder_digest]  # read for the first file, remembered for the rest
+    plane.store.close()

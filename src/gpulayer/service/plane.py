@@ -304,11 +304,21 @@ class ControlPlane(Fleet, Recovery):
                 if ref.kind == "dir":  # a file input is no manifest: never read here
                     manifests.append(ref.digest)
         for root in manifests:
-            try:
-                manifest = bundle.load(artifacts, root)
-            except GPUlayerError:
-                continue  # gone, or not a manifest after all
-            if any(e.digest == digest for e in manifest.entries):
+            with self._lock:
+                listed = self._manifests.get(root)
+                if listed is not None:
+                    self._manifests.move_to_end(root)
+            if listed is None:
+                try:
+                    entries = bundle.load(artifacts, root).entries
+                    listed = frozenset(e.digest for e in entries if e.digest is not None)
+                except GPUlayerError:
+                    continue  # gone, or not a manifest after all
+                with self._lock:
+                    self._manifests[root] = listed
+                    if len(self._manifests) > defaults.MANIFESTS_KEPT:
+                        self._manifests.popitem(last=False)
+            if digest in listed:
                 return True
         return False
 
