@@ -27,6 +27,7 @@ from gpulayer.jobs import (
     WorkerInfo,
 )
 from gpulayer.service import ControlPlane
+from gpulayer.service.state import Done
 from gpulayer.spec import JobSpec, parse_spec
 from gpulayer.store.sqlite import SqliteStore
 from gpulayer.transport.inprocess import InProcessTransport
@@ -399,3 +400,68 @@ def test_a_task_placed_before_a_restart_counts_if_a_new_worker_process_comes_bac
     else:
         assert (info.state, info.attempt) == ("running", 1)  # placed again, uncounted
     store.close()
+
+
+@pytest.mark.parametrize("named", [True, False])
+@pytest.mark.parametrize("started", [True, False])
+def test_a_goodbye_after_a_restart_never_runs_a_taken_task_again_as_the_same_attempt(
+    tmp_path: Path, named: bool, started: bool
+) -> None:
+    """After a restart, whether the worker took a task is unknown until it
+    names it: a goodbye then counts it, rather than queueing it as never
+    taken (and running attempt 1 twice)."""
+    store = SqliteStore(tmp_path / "db.sqlite")
+    first = ControlPlane(store, instance_id="first")
+    wid = first.register_worker(WorkerInfo(id="", name="w", host="w", slot_gpus=[None])).id
+    job = first.submit(parse_spec({"command": ["x"]})).id  # max_retries 0
+    (task,) = first.take_instructions(wid)
+    assert isinstance(task, RunTask)
+    if started:
+        first.task_started(
+            TaskStarted(
+                job_id=job, attempt=1, worker_id=wid, acquired=1, prepared=1, started=1, pid=9
+            )
+        )
+    second = ControlPlane(store, instance_id="second")
+    second.recover("first", workers_outlive=True)
+    if named:  # the same process comes back, naming it
+        second.register_worker(WorkerInfo(id=wid, name="w", host="w", slot_gpus=[None]), [(job, 1)])
+    second.unregister_worker(wid, said=True)  # then stops with it still there
+    other = second.register_worker(WorkerInfo(id="", name="o", host="o", slot_gpus=[None])).id
+    again = second.take_instructions(other)
+    assert not any(isinstance(i, RunTask) and i.attempt == 1 for i in again)
+    assert second.get(job).state == "lost"
+    store.close()
+
+
+def test_wait_wakes_for_an_end_whose_record_could_not_be_read(plane: ControlPlane) -> None:
+    """The end lands between wait()'s look at the job and its sleep, and the
+    read of its record after the stored end fails: wait() must not sleep on
+    a signal that has already fired."""
+    job = plane.submit(parse_spec({"command": ["x"]})).id  # no worker: queued
+    watch, read = plane.watch_job, plane.store.get_job
+
+    def failing_once(job_id: str) -> JobInfo | None:
+        plane.store.get_job = read  # type: ignore[method-assign]
+        raise StoreError("disk I/O error")
+
+    def end() -> None:  # a report on another thread ends it now
+        plane.store.get_job = failing_once  # type: ignore[method-assign]
+        plane.cancel(job)  # its own reply's read comes after, and succeeds
+
+    def racing_watch(job_id: str) -> tuple[JobInfo | None, Done | None]:
+        result = watch(job_id)
+        if not ended:
+            ended.append(True)
+            ender = threading.Thread(target=end)
+            ender.start()
+            ender.join()
+        return result
+
+    ended: list[bool] = []
+    plane.watch_job = racing_watch  # type: ignore[method-assign]
+    done: list[JobInfo] = []
+    waiter = threading.Thread(target=lambda: done.append(plane.wait(job)), daemon=True)
+    waiter.start()
+    waiter.join(30)  # a bound only: it returns at once when right
+    assert [j.state for j in done] == ["cancelled"]

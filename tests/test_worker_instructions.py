@@ -8,6 +8,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import pytest
+
 from gpulayer.embedded import Embedded
 from gpulayer.errors import InvalidStateError, ServerUnreachable
 from gpulayer.jobs import CancelTask, Instruction, RunTask, TaskResult, WorkerInfo
@@ -197,3 +199,59 @@ def test_a_worker_whose_registration_goes_unanswered_backs_off(home: Path) -> No
     # It waits (0.05 s, then 0.1 s; with room for a coarse clock), where it had
     # asked again within microseconds.
     assert second - first >= 0.04 and third - second >= 0.08
+
+
+def test_a_worker_does_not_register_again_while_a_report_is_still_on_its_way(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Else the server would take a task whose end is still in the outbox for
+    one that never reached the worker, and run it again as the same attempt."""
+    from gpulayer import defaults
+
+    def unreachable() -> None:
+        raise ServerUnreachable("away")
+
+    monkeypatch.setattr(defaults, "RECONNECT_MAX_S", 0.1)
+    embedded = Embedded(home)
+    calls: list[str] = []
+    register = embedded.transport.register_worker
+
+    def recorded(info, running=(), *, adopted=False):  # type: ignore[no-untyped-def]
+        calls.append(info.id)
+        return register(info, running, adopted=adopted)
+
+    embedded.transport.register_worker = recorded  # type: ignore[method-assign]
+    worker = Worker(embedded.transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
+    try:
+        worker._outbox.send(unreachable)  # a task's end, kept while the server is away
+        assert worker._reregister() is False
+        assert calls == []
+    finally:
+        worker._outbox.stop()
+        embedded.close()
+
+
+def test_a_worker_adopting_an_id_registers_with_a_server_from_before_that_field(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpulayer.errors import TransportError
+    from gpulayer.transport.http import HttpTransport
+
+    bodies: list[bytes] = []
+
+    def old_server(self: HttpTransport, body: bytes) -> tuple[WorkerInfo, str | None]:
+        bodies.append(body)
+        if b'"adopted"' in body:
+            raise TransportError(
+                "the server refused the request (422): invalid request body: "
+                "Object contains unknown field `adopted`"
+            )
+        return WorkerInfo(id="w1", name="w", host="h", slot_gpus=[None]), "1"
+
+    monkeypatch.setattr(HttpTransport, "_register", old_server)
+    transport = HttpTransport("http://127.0.0.1:1")
+    info = transport.register_worker(
+        WorkerInfo(id="w1", name="w", host="h", slot_gpus=[None]), adopted=True
+    )
+    assert info.id == "w1"
+    assert [b'"adopted"' in b for b in bodies] == [True, False]

@@ -65,8 +65,10 @@ FINISHED_JOBS_KEPT = 4096
 # Waiting on one job also asks about up to this many of the client's other
 # unfinished jobs (oldest first), whose ends come with the reply.
 WAIT_ALSO_MAX = 64
-# Manifests whose listed blobs the server keeps to check workers' fetches.
-MANIFESTS_KEPT = 64
+# Blob digests listed in recent manifests that the server keeps, to check
+# workers' fetches without reading a tree's manifest again for each file
+# (about 150 bytes each).
+MANIFEST_DIGESTS_KEPT = 200_000
 
 # Server mode.
 SERVER_PORT = 8585

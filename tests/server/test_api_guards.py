@@ -235,3 +235,54 @@ def test_a_workers_fetches_of_a_folders_files_read_its_manifest_once(
     assert asyncio.run(fetch_all()) == [200] * len(files)
     assert loads == [folder_digest]  # read for the first file, remembered for the rest
     plane.store.close()
+
+
+def test_the_manifests_kept_for_fetch_checks_are_bounded_by_the_digests_they_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpulayer import defaults
+
+    monkeypatch.setattr(defaults, "MANIFEST_DIGESTS_KEPT", 3)
+    app, plane, artifacts = _app(tmp_path)
+    worker = auth.create_token(plane.store, "worker")
+    user = auth.create_token(plane.store, "user")
+    trees = {}
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        for i in range(2):
+            (folder / f"{name}{i}.txt").write_text(f"{name} {i}")
+        manifest = bundle.scan(folder)
+        trees[name] = (
+            bundle.store(folder, manifest, artifacts),
+            next(e.digest for e in manifest.entries if e.kind == "file"),
+        )
+    loads: list[str] = []
+    load = bundle.load
+
+    def counted(source: Any, digest: str) -> bundle.Manifest:
+        loads.append(digest)
+        return load(source, digest)
+
+    monkeypatch.setattr(bundle, "load", counted)
+
+    async def fetch(order: str) -> list[int]:
+        _, _, w = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=worker)
+        inputs = {n: {"kind": "dir", "digest": trees[n][0]} for n in "ab"}
+        spec = {"spec": {"command": ["true"], "inputs": inputs}}
+        await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user)
+        as_it = [(b"x-gpulayer-worker", w["id"].encode())]
+        path = "/api/v1/blobs/{}"
+        return [
+            (await asgi_request(app, "GET", path.format(trees[n][1]), token=worker, headers=as_it))[
+                0
+            ]
+            for n in order
+        ]
+
+    assert asyncio.run(fetch("aba")) == [200, 200, 200]
+    # b's two digests pushed a's out (2 + 2 > 3): a is read again.
+    a, b = trees["a"][0], trees["b"][0]
+    assert loads == [a, b, a]
+    assert plane._manifest_digests <= 3
+    plane.store.close()

@@ -387,7 +387,8 @@ class Api:
             log.error("storing blob %s failed: %s", digest, exc)
             raise ApiError(
                 503,
-                f"the server could not store blob {digest} ({exc.strerror}); nothing was kept, try again",
+                f"the server could not store blob {digest} ({exc.strerror or exc}); "
+                "nothing was kept, try again",
             ) from None
         return _json({"digest": stored, "size": writer.size}, 201)
 

@@ -173,10 +173,12 @@ class Server:
     async def _reap_forever(self) -> None:
         interval = max(0.05, self.heartbeat_timeout / 4)
         said: dict[str, float] = {}  # worker id -> when its refused loss was last logged
+        refused_now: set[str] = set()
 
         def refused(worker_id: str, exc: StoreError) -> None:
             # The reaper tries again every turn while the disk stays full:
             # one line a minute for each worker, not one a turn.
+            refused_now.add(worker_id)
             now = time.monotonic()
             if now - said.get(worker_id, -math.inf) >= _REFUSED_LOG_EVERY_S:
                 said[worker_id] = now
@@ -190,13 +192,15 @@ class Server:
 
         while True:
             await asyncio.sleep(interval)  # a timer, not a wait on the job path
+            refused_now.clear()
             try:
                 lost = self.plane.reap(self.heartbeat_timeout, on_refused=refused)
             except Exception:
                 log.exception("checking worker heartbeats failed")
                 continue
+            for worker_id in said.keys() - refused_now:  # lost now, or back: forgotten
+                del said[worker_id]
             for worker_id in lost:
-                said.pop(worker_id, None)
                 log.warning("worker %s stopped heartbeating: declared lost", worker_id)
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ from .state import (
     by_job,
     decisive,
     failures,
+    never_taken,
     task_infos,
 )
 
@@ -71,6 +72,7 @@ class PlaneCore:
         # fetch was checked against lately: a worker fetches a tree's files
         # one by one, and a manifest never changes (its digest names it).
         self._manifests: OrderedDict[str, frozenset[str]] = OrderedDict()
+        self._manifest_digests = 0  # how many they hold in all
         self._seq = max((j.seq for j in store.list_jobs(limit=1)), default=0)
 
     def _conclude(
@@ -264,7 +266,7 @@ class PlaneCore:
         task = run.task_on(worker_id) if run is not None else None
         if run is None or task is None or task.ended:
             return
-        unrun = said and not task.delivered
+        unrun = said and never_taken(task)
         result = TaskResult(
             job_id=job_id,
             attempt=run.attempt,
@@ -443,7 +445,7 @@ class PlaneCore:
             if final is None:
                 with contextlib.suppress(StoreError):
                     final = self.store.get_job(job_id)
-            done.job = final
+            done.job, done.fired = final, True
             done.signal.fire()
         if final is not None and final.done:
             self._finished[job_id] = final

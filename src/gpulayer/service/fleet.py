@@ -29,7 +29,7 @@ from ..jobs import (
 )
 from ..signals import Signal, Unsubscribe, wait_on
 from .core import PlaneCore, log
-from .state import Delivery, LiveWorker, Running, failures
+from .state import Delivery, LiveWorker, Running, failures, never_taken
 
 
 class Fleet(PlaneCore):
@@ -109,7 +109,9 @@ class Fleet(PlaneCore):
                 if held_run is None or held_run.attempt != attempt or its is None or its.ended:
                     # Given up on (declared lost meanwhile, or its job moved on).
                     worker.inbox.append(CancelTask(job_id=job_id, attempt=attempt))
-                elif held_run.cancel_requested or failures(held_run):
+                    continue
+                its.delivered = True  # it has it (unknown after a restart until now)
+                if held_run.cancel_requested or failures(held_run):
                     # Being ended (a cancel, or another node failed): it may
                     # have missed that while the server was down.
                     worker.inbox.append(CancelTask(job_id=job_id, attempt=attempt))
@@ -235,7 +237,7 @@ class Fleet(PlaneCore):
             # Never handed to it (still in its inbox): never ran, not an
             # attempt. One it took but never reported started may have run
             # (starts are reported late over HTTP): that one was lost.
-            unrun = {job_id for job_id, run in lost.items() if said and not run.tasks[0].delivered}
+            unrun = {job_id for job_id, run in lost.items() if said and never_taken(run.tasks[0])}
             ended: list[str] = []
             try:
                 with self.store.transaction() as tx:

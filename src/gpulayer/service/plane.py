@@ -142,10 +142,10 @@ class ControlPlane(Fleet, Recovery):
                 if done is None:  # run by another process on this home: it cannot signal us
                     signal = self._logs.setdefault(job_id, Signal())
                     wait_on(self._lock, signal, min(defaults.FOLLOW_RECHECK_S, left or 1e9))
-                elif done.job is None:
+                elif not done.fired:
                     wait_on(self._lock, done.signal, left)
-                if done is not None and done.job is not None:
-                    return done.job
+                if done is not None and done.fired:
+                    return done.job or self.get(job_id)
 
     def finals(self, job_ids: Iterable[str]) -> tuple[list[JobInfo], list[str]]:
         """The final records of those of ``job_ids`` (full ids) that are final,
@@ -275,7 +275,7 @@ class ControlPlane(Fleet, Recovery):
     def subscribe_done(self, done: Done, callback: Callable[[], None]) -> Unsubscribe | None:
         """Call ``callback`` once when the job behind ``done`` ends (None: it has)."""
         with self._lock:
-            return None if done.job is not None else done.signal.subscribe(callback)
+            return None if done.fired else done.signal.subscribe(callback)
 
     def unsubscribe(self, unsubscribe: Unsubscribe) -> None:
         """Drop a subscription (under the lock that guards every signal)."""
@@ -316,8 +316,12 @@ class ControlPlane(Fleet, Recovery):
                     continue  # gone, or not a manifest after all
                 with self._lock:
                     self._manifests[root] = listed
-                    if len(self._manifests) > defaults.MANIFESTS_KEPT:
-                        self._manifests.popitem(last=False)
+                    self._manifest_digests += len(listed)
+                    # Bounded by the digests held, not by manifests: one
+                    # tree may list a million files.
+                    while self._manifest_digests > defaults.MANIFEST_DIGESTS_KEPT:
+                        _, dropped = self._manifests.popitem(last=False)
+                        self._manifest_digests -= len(dropped)
             if digest in listed:
                 return True
         return False

@@ -52,6 +52,12 @@ class NodeTask:
     ended: bool = False  # its worker reported its end (or was lost)
 
 
+def never_taken(task: NodeTask) -> bool:
+    """Known not to have reached its worker: not taken, not started (and
+    not unknown, as after a restart of the control plane)."""
+    return task.delivered is False and not task.started
+
+
 @dataclass
 class Running:
     attempt: int
@@ -96,6 +102,8 @@ class Done:
 
     def __init__(self) -> None:
         self.signal = Signal()
+        self.fired = False
+        # The final record, when it could be read (else waiters read it).
         self.job: JobInfo | None = None
 
 

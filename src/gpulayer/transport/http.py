@@ -417,16 +417,24 @@ class HttpTransport(Transport):
         self, info: WorkerInfo, running: Iterable[tuple[str, int]] = (), *, adopted: bool = False
     ) -> WorkerInfo:
         fields: dict[str, Any] = {"worker": info, "running": [list(r) for r in running]}
-        if adopted:  # only then: a server from before this field still takes the rest
+        if adopted:  # only then: a server from before this field takes the rest
             fields["adopted"] = True
-        body = _encode(fields)
-        with self._exchange("POST", "/api/v1/workers", body=body) as response:
-            registered = msgspec.json.decode(response.read(), type=WorkerInfo)
-            generation = response.getheader("X-GPUlayer-Generation")
+        try:
+            registered, generation = self._register(_encode(fields))
+        except TransportError as exc:
+            if not adopted or "unknown field" not in str(exc) or "adopted" not in str(exc):
+                raise
+            del fields["adopted"]  # a server from before it: as it would have had it
+            registered, generation = self._register(_encode(fields))
         self.worker_id = registered.id
         # The server numbers each registration's deliveries afresh.
         self._received = _Received(generation)
         return registered
+
+    def _register(self, body: bytes) -> tuple[WorkerInfo, str | None]:
+        with self._exchange("POST", "/api/v1/workers", body=body) as response:
+            registered = msgspec.json.decode(response.read(), type=WorkerInfo)
+            return registered, response.getheader("X-GPUlayer-Generation")
 
     def unregister_worker(self, worker_id: str) -> None:
         with self._exchange("DELETE", f"/api/v1/workers/{_q(worker_id)}") as response:

@@ -215,8 +215,11 @@ class Worker:
         tasks still running; False if the server did not answer. Only the
         acquire loop does this."""
         # Results kept while the server was away go first: a task that ended
-        # meanwhile must be reported finished, not missing.
-        self._outbox.flush(timeout=defaults.RECONNECT_MAX_S)
+        # meanwhile must be reported finished, not missing. Not all through
+        # yet: not registering now, or the server would take a task whose end
+        # is still on its way for one that never reached us.
+        if not self._outbox.flush(timeout=defaults.RECONNECT_MAX_S):
+            return False  # the acquire loop backs off and tries again
         with self._registering:
             with self._tasks_lock:
                 running = [run.key for run in self._tasks.values()]
