@@ -375,6 +375,28 @@ def test_waiters_are_woken_by_a_stored_end_though_the_read_after_it_fails(
     assert woken == [True]
 
 
+def _taken_before_a_restart(
+    tmp_path: Path, *, started: bool = False
+) -> tuple[SqliteStore, ControlPlane, str, str]:
+    """A job (no retries) its worker took, then a restart: (store, the new
+    plane, the worker's id, the job's id). ``started``: its start was stored."""
+    store = SqliteStore(tmp_path / "db.sqlite")
+    first = ControlPlane(store, instance_id="first")
+    wid = first.register_worker(WorkerInfo(id="", name="w", host="w", slot_gpus=[None])).id
+    job = first.submit(parse_spec({"command": ["x"]})).id
+    (task,) = first.take_instructions(wid)
+    assert isinstance(task, RunTask)
+    if started:
+        first.task_started(
+            TaskStarted(
+                job_id=job, attempt=1, worker_id=wid, acquired=1, prepared=1, started=1, pid=9
+            )
+        )
+    second = ControlPlane(store, instance_id="second")
+    second.recover("first", workers_outlive=True)
+    return store, second, wid, job
+
+
 @pytest.mark.parametrize("adopted", [True, False])
 def test_a_task_placed_before_a_restart_counts_if_a_new_worker_process_comes_back_without_it(
     tmp_path: Path, adopted: bool
@@ -383,14 +405,7 @@ def test_a_task_placed_before_a_restart_counts_if_a_new_worker_process_comes_bac
     process (adopting the dead one's id, after ending what it ran) may have
     had it running: lost, not run again as the same attempt. The same worker
     process, registering again, would have named it or reported its end."""
-    store = SqliteStore(tmp_path / "db.sqlite")
-    first = ControlPlane(store, instance_id="first")
-    wid = first.register_worker(WorkerInfo(id="", name="w", host="w", slot_gpus=[None])).id
-    job = first.submit(parse_spec({"command": ["x"]})).id  # max_retries 0
-    (task,) = first.take_instructions(wid)
-    assert isinstance(task, RunTask)
-    second = ControlPlane(store, instance_id="second")
-    second.recover("first", workers_outlive=True)
+    store, second, wid, job = _taken_before_a_restart(tmp_path)
     back = WorkerInfo(id=wid, name="w", host="w", slot_gpus=[None])
     second.register_worker(back, running=[], adopted=adopted)
     info = second.get(job)
@@ -410,20 +425,7 @@ def test_a_goodbye_after_a_restart_never_runs_a_taken_task_again_as_the_same_att
     """After a restart, whether the worker took a task is unknown until it
     names it: a goodbye then counts it, rather than queueing it as never
     taken (and running attempt 1 twice)."""
-    store = SqliteStore(tmp_path / "db.sqlite")
-    first = ControlPlane(store, instance_id="first")
-    wid = first.register_worker(WorkerInfo(id="", name="w", host="w", slot_gpus=[None])).id
-    job = first.submit(parse_spec({"command": ["x"]})).id  # max_retries 0
-    (task,) = first.take_instructions(wid)
-    assert isinstance(task, RunTask)
-    if started:
-        first.task_started(
-            TaskStarted(
-                job_id=job, attempt=1, worker_id=wid, acquired=1, prepared=1, started=1, pid=9
-            )
-        )
-    second = ControlPlane(store, instance_id="second")
-    second.recover("first", workers_outlive=True)
+    store, second, wid, job = _taken_before_a_restart(tmp_path, started=started)
     if named:  # the same process comes back, naming it
         second.register_worker(WorkerInfo(id=wid, name="w", host="w", slot_gpus=[None]), [(job, 1)])
     second.unregister_worker(wid, said=True)  # then stops with it still there

@@ -194,6 +194,19 @@ def test_a_job_not_found_is_not_taken_for_a_missing_blob() -> None:
     assert isinstance(blob, ArtifactError)
 
 
+def _count_manifest_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The digests of the manifests read from now on, in order."""
+    loads: list[str] = []
+    load = bundle.load
+
+    def counted(source: Any, digest: str) -> bundle.Manifest:
+        loads.append(digest)
+        return load(source, digest)
+
+    monkeypatch.setattr(bundle, "load", counted)
+    return loads
+
+
 def test_a_workers_fetches_of_a_folders_files_read_its_manifest_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -207,14 +220,7 @@ def test_a_workers_fetches_of_a_folders_files_read_its_manifest_once(
     manifest = bundle.scan(folder)
     folder_digest = bundle.store(folder, manifest, artifacts)
     files = [e.digest for e in manifest.entries if e.kind == "file"]
-    loads: list[str] = []
-    load = bundle.load
-
-    def counted(source: Any, digest: str) -> bundle.Manifest:
-        loads.append(digest)
-        return load(source, digest)
-
-    monkeypatch.setattr(bundle, "load", counted)
+    loads = _count_manifest_loads(monkeypatch)
 
     async def fetch_all() -> list[int]:
         _, _, w = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=worker)
@@ -257,14 +263,7 @@ def test_the_manifests_kept_for_fetch_checks_are_bounded_by_the_digests_they_hol
             bundle.store(folder, manifest, artifacts),
             next(e.digest for e in manifest.entries if e.kind == "file"),
         )
-    loads: list[str] = []
-    load = bundle.load
-
-    def counted(source: Any, digest: str) -> bundle.Manifest:
-        loads.append(digest)
-        return load(source, digest)
-
-    monkeypatch.setattr(bundle, "load", counted)
+    loads = _count_manifest_loads(monkeypatch)
 
     async def fetch(order: str) -> list[int]:
         _, _, w = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=worker)
