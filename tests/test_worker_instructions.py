@@ -255,3 +255,50 @@ def test_a_worker_adopting_an_id_registers_with_a_server_from_before_that_field(
     )
     assert info.id == "w1"
     assert [b'"adopted"' in b for b in bodies] == [True, False]
+
+
+def test_a_report_queued_just_after_the_outbox_was_through_still_holds_registration(
+    home: Path,
+) -> None:
+    """A task may end, and its report meet a 503, between the outbox's flush
+    and the look at the running tasks: the task is then named nowhere."""
+    embedded = Embedded(home)
+    calls: list[str] = []
+    register = embedded.transport.register_worker
+
+    def recorded(info, running=(), *, adopted=False):  # type: ignore[no-untyped-def]
+        calls.append(info.id)
+        return register(info, running, adopted=adopted)
+
+    def unreachable() -> None:
+        raise ServerUnreachable("away")
+
+    embedded.transport.register_worker = recorded  # type: ignore[method-assign]
+    worker = Worker(embedded.transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
+    flush = worker._outbox.flush
+
+    def through_then_a_report(timeout: float | None = None) -> bool:
+        through = flush(timeout)
+        worker._outbox.send(unreachable)  # the task's end, refused, kept
+        return through
+
+    worker._outbox.flush = through_then_a_report  # type: ignore[method-assign]
+    try:
+        assert worker._reregister() is False
+        assert calls == []
+    finally:
+        worker._outbox.stop()
+        embedded.close()
+
+
+def test_a_stopping_worker_does_not_register_again(home: Path) -> None:
+    """Its goodbye is on its way: a registration after it would leave a
+    worker the server places jobs on, that no process serves."""
+    embedded = Embedded(home)
+    worker = Worker(embedded.transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
+    try:
+        worker._stopping.set()
+        assert worker._reregister() is False
+        assert embedded.plane.list_workers() == []
+    finally:
+        embedded.close()

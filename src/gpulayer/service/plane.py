@@ -144,8 +144,10 @@ class ControlPlane(Fleet, Recovery):
                     wait_on(self._lock, signal, min(defaults.FOLLOW_RECHECK_S, left or 1e9))
                 elif not done.fired:
                     wait_on(self._lock, done.signal, left)
-                if done is not None and done.fired:
-                    return done.job or self.get(job_id)
+                fired = done is not None and done.fired
+            if done is not None and fired:
+                # Its record, or (if reading it failed then) read now, unlocked.
+                return done.job or self.get(job_id)
 
     def finals(self, job_ids: Iterable[str]) -> tuple[list[JobInfo], list[str]]:
         """The final records of those of ``job_ids`` (full ids) that are final,
@@ -315,11 +317,14 @@ class ControlPlane(Fleet, Recovery):
                 except GPUlayerError:
                     continue  # gone, or not a manifest after all
                 with self._lock:
-                    self._manifests[root] = listed
-                    self._manifest_digests += len(listed)
+                    if root not in self._manifests:  # (another thread may have read it too)
+                        self._manifests[root] = listed
+                        self._manifest_digests += len(listed)
                     # Bounded by the digests held, not by manifests: one
                     # tree may list a million files.
-                    while self._manifest_digests > defaults.MANIFEST_DIGESTS_KEPT:
+                    while self._manifests and (
+                        self._manifest_digests > defaults.MANIFEST_DIGESTS_KEPT
+                    ):
                         _, dropped = self._manifests.popitem(last=False)
                         self._manifest_digests -= len(dropped)
             if digest in listed:

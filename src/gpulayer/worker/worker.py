@@ -223,6 +223,13 @@ class Worker:
         with self._registering:
             with self._tasks_lock:
                 running = [run.key for run in self._tasks.values()]
+            # A task may have ended since the flush, its report refused: it is
+            # no longer named, and its end is not through (checked after the
+            # look at the tasks: a task leaves them after its report is queued).
+            if self._outbox.pending():
+                return False
+            if self._stopping.is_set():  # its goodbye is on its way (see stop)
+                return False
             try:
                 self.info = self.transport.register_worker(self.info, running)
             except ServerUnreachable:
@@ -338,7 +345,8 @@ class Worker:
             )
         self._outbox.stop()
         # If the server is away, it declares us lost when our heartbeats stop.
-        with contextlib.suppress(ServerUnreachable, InvalidStateError):
+        # After any registration the acquire loop has under way, not before it.
+        with self._registering, contextlib.suppress(ServerUnreachable, InvalidStateError):
             self.transport.unregister_worker(self.info.id)
         if all_ended:
             shutil.rmtree(self.tasks_dir, ignore_errors=True)
