@@ -201,18 +201,12 @@ def test_a_worker_whose_registration_goes_unanswered_backs_off(home: Path) -> No
     assert second - first >= 0.04 and third - second >= 0.08
 
 
-def test_a_worker_does_not_register_again_while_a_report_is_still_on_its_way(
-    home: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Else the server would take a task whose end is still in the outbox for
-    one that never reached the worker, and run it again as the same attempt."""
-    from gpulayer import defaults
+def _unreachable() -> None:
+    raise ServerUnreachable("away")
 
-    def unreachable() -> None:
-        raise ServerUnreachable("away")
 
-    monkeypatch.setattr(defaults, "RECONNECT_MAX_S", 0.1)
-    embedded = Embedded(home)
+def _record_registrations(embedded: Embedded) -> list[str]:
+    """The ids that register through ``embedded``'s transport from now on."""
     calls: list[str] = []
     register = embedded.transport.register_worker
 
@@ -221,9 +215,22 @@ def test_a_worker_does_not_register_again_while_a_report_is_still_on_its_way(
         return register(info, running, adopted=adopted)
 
     embedded.transport.register_worker = recorded  # type: ignore[method-assign]
+    return calls
+
+
+def test_a_worker_does_not_register_again_while_a_report_is_still_on_its_way(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Else the server would take a task whose end is still in the outbox for
+    one that never reached the worker, and run it again as the same attempt."""
+    from gpulayer import defaults
+
+    monkeypatch.setattr(defaults, "RECONNECT_MAX_S", 0.1)
+    embedded = Embedded(home)
+    calls = _record_registrations(embedded)
     worker = Worker(embedded.transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
     try:
-        worker._outbox.send(unreachable)  # a task's end, kept while the server is away
+        worker._outbox.send(_unreachable)  # a task's end, kept while the server is away
         assert worker._reregister() is False
         assert calls == []
     finally:
@@ -263,23 +270,13 @@ def test_a_report_queued_just_after_the_outbox_was_through_still_holds_registrat
     """A task may end, and its report meet a 503, between the outbox's flush
     and the look at the running tasks: the task is then named nowhere."""
     embedded = Embedded(home)
-    calls: list[str] = []
-    register = embedded.transport.register_worker
-
-    def recorded(info, running=(), *, adopted=False):  # type: ignore[no-untyped-def]
-        calls.append(info.id)
-        return register(info, running, adopted=adopted)
-
-    def unreachable() -> None:
-        raise ServerUnreachable("away")
-
-    embedded.transport.register_worker = recorded  # type: ignore[method-assign]
+    calls = _record_registrations(embedded)
     worker = Worker(embedded.transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
     flush = worker._outbox.flush
 
     def through_then_a_report(timeout: float | None = None) -> bool:
         through = flush(timeout)
-        worker._outbox.send(unreachable)  # the task's end, refused, kept
+        worker._outbox.send(_unreachable)  # the task's end, refused, kept
         return through
 
     worker._outbox.flush = through_then_a_report  # type: ignore[method-assign]
