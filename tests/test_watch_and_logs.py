@@ -6,6 +6,8 @@ import subprocess
 import threading
 from pathlib import Path
 
+import pytest
+
 from gpulayer.jobs import LogLine
 from gpulayer.worker.logs import LogSender
 from gpulayer.worker.process import spawn
@@ -172,3 +174,28 @@ def test_spawned_processes_get_a_session_of_their_own(tmp_path: Path) -> None:
     assert sid == pgid == proc.pid != os.getsid(0)
     assert proc.returncode == 0
     assert isinstance(proc, subprocess.Popen)
+
+
+def test_a_large_batch_goes_in_requests_the_server_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpulayer import defaults
+
+    monkeypatch.setattr(defaults, "LOG_BATCH_MAX_BYTES", 100)
+    batches: list[list[LogLine]] = []
+    gate = threading.Event()
+
+    def send(job_id: str, attempt: int, lines: list[LogLine]) -> None:
+        gate.wait(30)  # the first lines pile up meanwhile
+        batches.append(lines)
+
+    sender = LogSender(send, interval=0.0)
+    task = sender.open("job", 1)
+    for i in range(40):
+        task.add("stdout", f"line {i:02d} " + "x" * 12)  # 20 bytes of text each
+    gate.set()
+    sender.close_task(task)
+    sender.stop()
+    assert all(sum(len(line.text) for line in batch) <= 100 for batch in batches)
+    assert [line.text[:7] for batch in batches for line in batch] == [
+        f"line {i:02d}" for i in range(40)
+    ]
+    assert max(len(batch) for batch in batches) == 5

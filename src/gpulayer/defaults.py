@@ -34,6 +34,13 @@ LOG_BACKPRESSURE_MAX_S = 5.0
 # A single line longer than this is cut (a job printing a 1 GB line must not
 # take 1 GB of the worker's memory).
 LOG_LINE_MAX_BYTES = 64 * 1024
+# A worker sends a task's waiting lines in requests of at most this much text.
+LOG_BATCH_MAX_BYTES = 8 * 1024 * 1024
+# The largest JSON request body the server reads (blobs are streamed, and
+# have no such limit); what can be longer is sent in parts.
+JSON_BODY_MAX_BYTES = 64 * 1024 * 1024
+# Digests asked about in one request for the blobs a server lacks.
+MISSING_BLOBS_PER_REQUEST = 50_000
 # How many trailing stderr lines a failed job's error message carries.
 STDERR_TAIL_LINES = 20
 

@@ -285,3 +285,18 @@ def test_the_manifests_kept_for_fetch_checks_are_bounded_by_the_digests_they_hol
     assert loads == [a, b, a]
     assert plane._manifest_digests <= 3
     plane.store.close()
+
+
+def test_a_json_body_over_the_limit_is_a_413_and_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpulayer import defaults
+
+    monkeypatch.setattr(defaults, "JSON_BODY_MAX_BYTES", 2 * 2**20)
+    app, plane, _ = _app(tmp_path)
+    user = auth.create_token(plane.store, "user")
+    spec = {"spec": {"command": ["true"], "env": {"BIG": "x" * (3 * 2**20)}}}
+    status, _, body = asyncio.run(asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user))
+    assert status == 413 and "over 2 MiB" in body["error"]
+    assert plane.list_jobs() == []
+    plane.store.close()

@@ -10,6 +10,7 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -389,3 +390,34 @@ def test_a_killed_workers_processes_are_ended_by_the_next_on_its_home(
         assert job.wait(timeout=30) == "lost"
         assert "came back without it" in (job.info.reason or "")
         assert {w.id for w in client.workers()} == {old_worker}
+
+
+def test_missing_blobs_are_asked_about_in_parts(
+    server: ServerProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+
+    from gpulayer import defaults
+    from gpulayer.transport.http import HttpTransport
+
+    monkeypatch.setattr(defaults, "MISSING_BLOBS_PER_REQUEST", 2)
+    stored = tmp_path / "stored.bin"
+    stored.write_bytes(b"stored")
+    here = hashlib.sha256(b"stored").hexdigest()
+    absent = [f"{i:064x}" for i in range(4)]
+    transport = HttpTransport(server.url, token=server.admin)
+    asked: list[int] = []
+    call = transport._call
+
+    def counted(method: str, path: str, kind: Any, **kwargs: Any) -> Any:
+        if path == "/api/v1/blobs/missing":
+            asked.append(len(json.loads(kwargs["body"])["digests"]))
+        return call(method, path, kind, **kwargs)
+
+    transport._call = counted  # type: ignore[method-assign]
+    try:
+        transport.upload_blob(stored, here)
+        assert transport.missing_blobs([*absent, here]) == set(absent)
+    finally:
+        transport.close()
+    assert asked == [2, 2, 1]

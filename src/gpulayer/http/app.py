@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.responses import FileResponse
 
+from .. import defaults
 from ..artifacts import ArtifactStore
 from ..errors import (
     ArtifactError,
@@ -35,7 +36,7 @@ from ..service.state import Delivery
 from ..signals import Unsubscribe
 from . import auth
 from .metrics import Metrics
-from .routing import App, ASGIResponse, Handler, Request, Response, json_response
+from .routing import App, ASGIResponse, BodyTooLarge, Handler, Request, Response, json_response
 from .schemas import (
     BlobList,
     HeartbeatRequest,
@@ -75,7 +76,12 @@ _INT64 = (-(2**63), 2**63 - 1)
 
 
 async def _body(request: Request, kind: type[T]) -> T:
-    raw = await request.body()
+    try:
+        raw = await request.body(limit=defaults.JSON_BODY_MAX_BYTES)
+    except BodyTooLarge as exc:
+        raise ApiError(
+            413, f"the request body is over {exc.limit // 2**20} MiB; send it in parts"
+        ) from None
     try:
         body = msgspec.json.decode(raw, type=kind, strict=True)
     except msgspec.ValidationError as exc:

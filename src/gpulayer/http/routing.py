@@ -48,6 +48,14 @@ class ClientDisconnect(Exception):
     """The client went away while its request's body was being read."""
 
 
+class BodyTooLarge(Exception):
+    """A request's body is longer than its handler reads."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body is over {limit} bytes")
+        self.limit = limit
+
+
 class Request:
     """One HTTP request, as its handler sees it."""
 
@@ -107,16 +115,23 @@ class Request:
             if not message.get("more_body", False):
                 return
 
-    async def body(self) -> bytes:
-        """The whole body (the API's JSON bodies are small; blobs are streamed)."""
+    async def body(self, limit: int | None = None) -> bytes:
+        """The whole body (the API's JSON bodies are small; blobs are
+        streamed); :class:`BodyTooLarge` past ``limit`` bytes, read no further."""
         message = await self.receive()  # usually all of it, in one message
         if message["type"] == "http.disconnect":
             raise ClientDisconnect
         body: bytes = message.get("body", b"")
+        size = len(body)
+        if limit is not None and size > limit:
+            raise BodyTooLarge(limit)
         if not message.get("more_body", False):
             return body
         parts = [body]
         async for chunk in self.stream():
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise BodyTooLarge(limit)
             parts.append(chunk)
         return b"".join(parts)
 

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from .. import defaults
 from ..artifacts import ArtifactStore, sha256_file
 from ..errors import (
     AccessDenied,
@@ -357,13 +358,18 @@ class HttpTransport(Transport):
     # ---- blobs ----
 
     def missing_blobs(self, digests: Iterable[str]) -> set[str]:
-        found = self._call(
-            "POST",
-            "/api/v1/blobs/missing",
-            _BlobList,
-            body=_encode({"digests": sorted(set(digests))}),
-        )
-        return set(found.digests)
+        asked = sorted(set(digests))
+        missing: set[str] = set()
+        step = defaults.MISSING_BLOBS_PER_REQUEST  # a tree may hold millions of files
+        for start in range(0, len(asked), step):
+            found = self._call(
+                "POST",
+                "/api/v1/blobs/missing",
+                _BlobList,
+                body=_encode({"digests": asked[start : start + step]}),
+            )
+            missing.update(found.digests)
+        return missing
 
     def upload_blob(
         self,

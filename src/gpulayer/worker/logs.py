@@ -152,10 +152,14 @@ class LogSender:
                 self._deliver(task, lines)
 
     def _deliver_now(self, task: TaskLog, lines: list[LogLine]) -> None:
-        if task.node:
-            self._send(task.job_id, task.attempt, lines, task.node)
-        else:
-            self._send(task.job_id, task.attempt, lines)
+        # In requests the server reads (see JSON_BODY_MAX_BYTES), in order. If
+        # one fails, all go again: the server keeps a batch re-sent from the
+        # same first line once.
+        for batch in _by_size(lines, defaults.LOG_BATCH_MAX_BYTES):
+            if task.node:
+                self._send(task.job_id, task.attempt, batch, task.node)
+            else:
+                self._send(task.job_id, task.attempt, batch)
 
     def _deliver(self, task: TaskLog, lines: list[LogLine]) -> None:
         try:
@@ -205,3 +209,20 @@ class LogSender:
         self._thread.join()
         for task in tasks:
             self.send_task(task)
+
+
+def _by_size(lines: list[LogLine], limit: int) -> list[list[LogLine]]:
+    """``lines`` in consecutive batches of at most ``limit`` bytes of text
+    (a line is cut at LOG_LINE_MAX_BYTES, far below: each batch has one)."""
+    batches: list[list[LogLine]] = []
+    batch: list[LogLine] = []
+    size = 0
+    for line in lines:
+        if batch and size + len(line.text) > limit:
+            batches.append(batch)
+            batch, size = [], 0
+        batch.append(line)
+        size += len(line.text)
+    if batch:
+        batches.append(batch)
+    return batches
