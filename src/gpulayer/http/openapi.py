@@ -251,8 +251,9 @@ def document() -> dict[str, Any]:
             }
         else:
             op["responses"]["204" if path != "/healthz" else "200"] = {"description": "ok"}
-        # 503: the job store failed (a full disk); nothing changed, send it again.
-        for status in ("400", "401", "403", "404", "409", "422", "503"):
+        # 413: a JSON body over the limit (send it in parts). 503: the job
+        # store failed (a full disk); nothing changed, send it again.
+        for status in ("400", "401", "403", "404", "409", "413", "422", "503"):
             op["responses"][status] = error
         if path not in ("/healthz",):
             op["security"] = [{"bearer": []}]
