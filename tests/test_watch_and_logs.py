@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer.jobs import LogLine
+from gpulayer.jobs import LogLine, WorkerInfo
+from gpulayer.service import ControlPlane
+from gpulayer.spec import parse_spec
 from gpulayer.worker.logs import LogSender
 from gpulayer.worker.process import spawn
 from gpulayer.worker.watch import LineSplitter, watch_all
@@ -199,3 +201,34 @@ def test_a_large_batch_goes_in_requests_the_server_reads(monkeypatch: pytest.Mon
         f"line {i:02d}" for i in range(40)
     ]
     assert max(len(batch) for batch in batches) == 5
+
+
+def test_lines_sent_again_from_a_later_line_are_stored_once(plane: ControlPlane) -> None:
+    """A worker's requests of one batch fail part-way; what it sends again may
+    start at a later line (its buffer dropped the oldest meanwhile)."""
+    wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+    job = plane.submit(parse_spec({"command": ["x"]})).id
+    plane.take_instructions(wid)
+    lines = [LogLine(i, 1.0, "stdout", f"l{i}") for i in range(1, 7)]
+    plane.append_logs(job, 1, lines[:2])  # the first request went through
+    plane.append_logs(job, 1, lines[1:])  # all again, from line 2
+    plane.append_logs(job, 1, lines[4:])  # and again (a reply lost)
+    stored = [line.seq for _, line in plane.store.read_logs(job)]
+    assert stored == [1, 2, 3, 4, 5, 6]
+
+
+def test_lines_sent_again_after_a_restart_are_stored_once(tmp_path: Path) -> None:
+    from gpulayer.store.sqlite import SqliteStore
+
+    store = SqliteStore(tmp_path / "db.sqlite")
+    first = ControlPlane(store, instance_id="first")
+    wid = first.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+    job = first.submit(parse_spec({"command": ["x"]})).id
+    first.take_instructions(wid)
+    lines = [LogLine(i, 1.0, "stdout", f"l{i}") for i in range(1, 5)]
+    first.append_logs(job, 1, lines[:3])
+    second = ControlPlane(store, instance_id="second")
+    second.recover("first", workers_outlive=True)
+    second.append_logs(job, 1, lines[1:])
+    assert [line.seq for _, line in store.read_logs(job)] == [1, 2, 3, 4]
+    store.close()

@@ -300,3 +300,44 @@ def test_a_json_body_over_the_limit_is_a_413_and_changes_nothing(
     assert status == 413 and "over 2 MiB" in body["error"]
     assert plane.list_jobs() == []
     plane.store.close()
+
+
+def test_a_workers_report_may_be_longer_than_a_users_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A glob output can match a million files: its report cannot be sent in
+    parts, and one refused would leave the job running."""
+    import gpulayer.http.app as app_module
+
+    monkeypatch.setattr(app_module, "_REPORT_MAX", 8 * 2**20)
+    from gpulayer import defaults
+
+    monkeypatch.setattr(defaults, "JSON_BODY_MAX_BYTES", 1 * 2**20)
+    app, plane, _ = _app(tmp_path)
+    worker = auth.create_token(plane.store, "worker")
+    user = auth.create_token(plane.store, "user")
+
+    async def scenario() -> int:
+        _, _, w = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=worker)
+        spec = {"spec": {"command": ["true"], "outputs": ["frames/*.png"]}}
+        _, _, job = await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user)
+        await asgi_request(
+            app, "POST", f"/api/v1/workers/{w['id']}/acquire", "timeout=0&ack=0", token=worker
+        )
+        ref = {"kind": "file", "digest": "0" * 64, "size": 1}
+        outputs = {f"frames/{i:07d}.png": ref for i in range(20_000)}  # about 2 MiB
+        report = {
+            "job_id": job["id"],
+            "attempt": 1,
+            "worker_id": w["id"],
+            "outcome": "exited",
+            "exit_code": 0,
+            "outputs": outputs,
+        }
+        status, _, _ = await asgi_request(
+            app, "POST", "/api/v1/tasks/finished", "ack=1", body=report, token=worker
+        )
+        return status
+
+    assert asyncio.run(scenario()) == 200
+    plane.store.close()

@@ -71,13 +71,18 @@ def _error(status: int, message: str) -> Response:
     return _json({"error": message}, status)
 
 
+# A worker's report may be longer than a user's request: a task's outputs
+# (one entry per file a glob matched), the tasks it names. It has no way to
+# send one in parts, and one refused would leave its job running.
+_REPORT_MAX = 16 * defaults.JSON_BODY_MAX_BYTES
+
 _LONG_DIGITS = re.compile(rb"\d{19}")  # a JSON number this long may not fit in 64 bits
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-async def _body(request: Request, kind: type[T]) -> T:
+async def _body(request: Request, kind: type[T], limit: int | None = None) -> T:
     try:
-        raw = await request.body(limit=defaults.JSON_BODY_MAX_BYTES)
+        raw = await request.body(limit=limit or defaults.JSON_BODY_MAX_BYTES)
     except BodyTooLarge as exc:
         raise ApiError(
             413, f"the request body is over {exc.limit // 2**20} MiB; send it in parts"
@@ -426,7 +431,7 @@ class Api:
             )
 
     async def register(self, request: Request) -> Response:
-        body = await _body(request, RegisterRequest)
+        body = await _body(request, RegisterRequest, _REPORT_MAX)
         if body.worker.id:  # coming back under its id: only with the token it had
             self._check_owner(request, body.worker.id)
         running = [(j, a) for j, a in body.running]
@@ -447,7 +452,7 @@ class Api:
         return Response(status=204)
 
     async def heartbeat(self, request: Request) -> Response:
-        beat = await _body(request, HeartbeatRequest)
+        beat = await _body(request, HeartbeatRequest, _REPORT_MAX)
         self._check_owner(request, request.path_params["worker_id"])
         self.plane.heartbeat(request.path_params["worker_id"], stopping=beat.stopping)
         return Response(status=204)
@@ -503,13 +508,13 @@ class Api:
         return response
 
     async def task_started(self, request: Request) -> Response:
-        report = await _body(request, TaskStarted)
+        report = await _body(request, TaskStarted, _REPORT_MAX)
         self._check_owner(request, report.worker_id)
         self.plane.task_started(report)
         return Response(status=204)
 
     async def task_logs(self, request: Request) -> Response:
-        batch = await _body(request, LogBatch)
+        batch = await _body(request, LogBatch, _REPORT_MAX)
         self.plane.append_logs(batch.job_id, batch.attempt, batch.lines, batch.node)
         return Response(status=204)
 
@@ -528,7 +533,7 @@ class Api:
         jobs, the next task comes with the answer to this report instead of
         in a long poll reply of its own.
         """
-        result = await _body(request, TaskResult)
+        result = await _body(request, TaskResult, _REPORT_MAX)
         self._check_owner(request, result.worker_id)
         take = _query_int(request, "take", 0, high=1)
         ack = _query_int(request, "ack", 0) if "ack" in request.query else None

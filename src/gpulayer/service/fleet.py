@@ -471,6 +471,8 @@ class Fleet(PlaneCore):
         with self._lock:
             run = self._running.get(job_id)
             gang = run is not None and len(run.tasks) > 1
+            current = run is not None and run.attempt == attempt
+            seen = run.log_seen.get(0, 0) if run is not None and current else None
         if gang or node:
             self._append_node_logs(job_id, attempt, lines, node)
             return
@@ -478,8 +480,18 @@ class Fleet(PlaneCore):
             job = self.store.get_job(job_id)
             if job is not None and job.spec.nodes > 1:
                 return  # see _append_node_logs
+        # Lines are numbered by their task: what was stored already (a batch
+        # sent again, whole or from a later line, after a failure part-way
+        # through the worker's requests) is not stored twice.
+        if seen is None:
+            seen = self.store.last_log_seq(job_id, attempt)
+        lines = [line for line in lines if line.seq > seen]
+        if not lines:
+            return
         self.store.append_logs(job_id, attempt, lines)
         with self._lock:
+            if run is not None and current:
+                run.log_seen[0] = max(run.log_seen.get(0, 0), lines[-1].seq)
             signal = self._logs.get(job_id)
             if signal is not None:
                 signal.fire()

@@ -140,7 +140,9 @@ class Recovery(PlaneCore):
                 cancel_requested=job.cancel_requested,
                 given_back=job.given_back,
             )
-            if len(tasks) > 1:  # go on numbering its log lines after those stored
+            if len(tasks) == 1:  # the lines stored already are not stored again
+                run.log_seen = {0: self.store.last_log_seq(job.id, job.attempt)}
+            else:  # go on numbering its log lines after those stored
                 run.log_seq = self.store.last_log_seq(job.id, job.attempt)
                 # and know the lines each node sent already (it may send them again)
                 run.log_seen = self.store.node_lines(job.id, job.attempt)

@@ -153,8 +153,8 @@ class LogSender:
 
     def _deliver_now(self, task: TaskLog, lines: list[LogLine]) -> None:
         # In requests the server reads (see JSON_BODY_MAX_BYTES), in order. If
-        # one fails, all go again: the server keeps a batch re-sent from the
-        # same first line once.
+        # one fails, all go again: the server stores each line once, by its
+        # number.
         for batch in _by_size(lines, defaults.LOG_BATCH_MAX_BYTES):
             if task.node:
                 self._send(task.job_id, task.attempt, batch, task.node)
