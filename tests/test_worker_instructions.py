@@ -299,3 +299,31 @@ def test_a_stopping_worker_does_not_register_again(home: Path) -> None:
         assert embedded.plane.list_workers() == []
     finally:
         embedded.close()
+
+
+def test_an_outbox_told_the_server_is_back_retries_at_once() -> None:
+    """After a long outage its back-off has grown to seconds: a worker that
+    hears from the server again (and must deliver before registering) does
+    not wait it out."""
+    from gpulayer.worker.outbox import Outbox
+
+    outbox = Outbox(max_backoff=60)
+    attempts: list[int] = []
+    sixth = threading.Event()
+    up = threading.Event()
+
+    def deliver() -> None:
+        attempts.append(1)
+        if len(attempts) == 6:
+            sixth.set()  # its next back-off is 0.8 s
+        if not up.is_set():
+            raise ServerUnreachable("away")
+
+    try:
+        outbox.send(deliver)
+        assert sixth.wait(30)
+        up.set()
+        outbox.retry_now()
+        assert outbox.flush(timeout=0.5), "it waited out its back-off"
+    finally:
+        outbox.stop()

@@ -25,6 +25,7 @@ class Outbox:
         self._items: deque[Callable[[], None]] = deque()
         self._cond = threading.Condition()
         self._stopped = False
+        self._nudged = False  # the server answered again: retry now, not after the back-off
         self._max_backoff = max_backoff
         self._thread: threading.Thread | None = None
 
@@ -47,6 +48,12 @@ class Outbox:
                 self._thread.start()
             self._cond.notify()
 
+    def retry_now(self) -> None:
+        """The server is back (it answered something else): end the back-off."""
+        with self._cond:
+            self._nudged = True
+            self._cond.notify_all()
+
     def pending(self) -> int:
         with self._cond:
             return len(self._items)
@@ -63,11 +70,12 @@ class Outbox:
             try:
                 deliver()
             except ServerUnreachable:
-                with self._cond:  # wait, but wake at once on stop
-                    self._cond.wait_for(lambda: self._stopped, timeout=backoff)
+                with self._cond:  # wait, but wake at once on stop, or when nudged
+                    self._cond.wait_for(lambda: self._stopped or self._nudged, timeout=backoff)
                     if self._stopped:
                         return
-                backoff = min(backoff * 2, self._max_backoff)
+                    nudged, self._nudged = self._nudged, False
+                backoff = 0.05 if nudged else min(backoff * 2, self._max_backoff)
                 continue
             except Exception:
                 log.exception("a report was refused by the server; dropping it")

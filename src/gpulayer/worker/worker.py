@@ -218,6 +218,7 @@ class Worker:
         # meanwhile must be reported finished, not missing. Not all through
         # yet: not registering now, or the server would take a task whose end
         # is still on its way for one that never reached us.
+        self._outbox.retry_now()  # the server answered: what waits goes now
         if not self._outbox.flush(timeout=defaults.RECONNECT_MAX_S):
             return False  # the acquire loop backs off and tries again
         with self._registering:
