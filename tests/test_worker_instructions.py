@@ -309,21 +309,21 @@ def test_an_outbox_told_the_server_is_back_retries_at_once() -> None:
 
     outbox = Outbox(max_backoff=60)
     attempts: list[int] = []
-    sixth = threading.Event()
+    seventh = threading.Event()
     up = threading.Event()
 
     def deliver() -> None:
         attempts.append(1)
-        if len(attempts) == 6:
-            sixth.set()  # its next back-off is 0.8 s
+        if len(attempts) == 7:
+            seventh.set()  # its next back-off is 1.6 s
         if not up.is_set():
             raise ServerUnreachable("away")
 
     try:
         outbox.send(deliver)
-        assert sixth.wait(30)
+        assert seventh.wait(30)
         up.set()
         outbox.retry_now()
-        assert outbox.flush(timeout=0.5), "it waited out its back-off"
+        assert outbox.flush(timeout=1.0), "it waited out its back-off"
     finally:
         outbox.stop()
