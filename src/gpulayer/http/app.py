@@ -88,15 +88,13 @@ async def _body(request: Request, kind: type[T], limit: int | None = None) -> T:
             413, f"the request body is over {exc.limit // 2**20} MiB; send it in parts"
         ) from None
     try:
-        body = msgspec.json.decode(raw, type=kind, strict=True)
-    except msgspec.ValidationError as exc:
         try:
+            body = msgspec.json.decode(raw, type=kind, strict=True)
+        except msgspec.ValidationError as exc:
             body = _with_whole_floats(raw, kind, exc)
-        except RecursionError:
-            raise ApiError(422, "invalid request body: nested too deeply") from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # in msgspec, or in the second look for whole floats
         raise ApiError(422, "invalid request body: nested too deeply") from None
     if _LONG_DIGITS.search(raw):  # rare: look for integers the store cannot hold
         where = _too_big(body, "$")
