@@ -88,6 +88,11 @@ class JobInfo(msgspec.Struct, kw_only=True):
     def done(self) -> bool:
         return self.state in FINAL_STATES
 
+    @property
+    def counted(self) -> int:
+        """Its attempts that count against ``spec.max_retries``."""
+        return self.attempt - self.given_back
+
     def timings(self) -> dict[str, float]:
         return {
             stage: round(self.marks[end] - self.marks[start], 6)

@@ -46,7 +46,7 @@ class Recovery(PlaneCore):
                     if workers_outlive:
                         continue
                     reason = f"the GPUlayer process running it died (instance {dead_instance})"
-                    if job.attempt - job.given_back <= job.spec.max_retries:
+                    if job.counted <= job.spec.max_retries:
                         tx.requeue(job.id, reason=f"retrying: {reason}", owner=self.instance_id)
                     else:
                         tx.finish(
