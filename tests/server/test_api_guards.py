@@ -283,7 +283,7 @@ def test_the_manifests_kept_for_fetch_checks_are_bounded_by_the_digests_they_hol
     # b's two digests pushed a's out (2 + 2 > 3): a is read again.
     a, b = trees["a"][0], trees["b"][0]
     assert loads == [a, b, a]
-    assert plane._manifest_digests <= 3
+    assert plane._listed.held <= 3
     plane.store.close()
 
 

@@ -26,6 +26,7 @@ from ..signals import Signal
 from ..store import Store, Transaction
 from .state import (
     Done,
+    ListedBlobs,
     LiveWorker,
     NodeTask,
     Pending,
@@ -68,11 +69,7 @@ class PlaneCore:
         # waiting on a burst of jobs asks about many that have just ended,
         # and a final record never changes.
         self._finished: OrderedDict[str, JobInfo] = OrderedDict()
-        # The blobs listed in the manifests (bundles, folder inputs) a worker's
-        # fetch was checked against lately: a worker fetches a tree's files
-        # one by one, and a manifest never changes (its digest names it).
-        self._manifests: OrderedDict[str, frozenset[str]] = OrderedDict()
-        self._manifest_digests = 0  # how many they hold in all
+        self._listed = ListedBlobs(defaults.MANIFEST_DIGESTS_KEPT)  # see may_fetch
         self._seq = max((j.seq for j in store.list_jobs(limit=1)), default=0)
 
     def _conclude(

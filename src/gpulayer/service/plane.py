@@ -307,26 +307,15 @@ class ControlPlane(Fleet, Recovery):
                     manifests.append(ref.digest)
         for root in manifests:
             with self._lock:
-                listed = self._manifests.get(root)
-                if listed is not None:
-                    self._manifests.move_to_end(root)
-            if listed is None:
+                listed = self._listed.get(root)
+            if listed is None:  # read outside the lock: a manifest may be large
                 try:
                     entries = bundle.load(artifacts, root).entries
                     listed = frozenset(e.digest for e in entries if e.digest is not None)
                 except GPUlayerError:
                     continue  # gone, or not a manifest after all
                 with self._lock:
-                    if root not in self._manifests:  # (another thread may have read it too)
-                        self._manifests[root] = listed
-                        self._manifest_digests += len(listed)
-                    # Bounded by the digests held, not by manifests: one
-                    # tree may list a million files.
-                    while self._manifests and (
-                        self._manifest_digests > defaults.MANIFEST_DIGESTS_KEPT
-                    ):
-                        _, dropped = self._manifests.popitem(last=False)
-                        self._manifest_digests -= len(dropped)
+                    self._listed.put(root, listed)
             if digest in listed:
                 return True
         return False

@@ -8,7 +8,7 @@ their free slots, and the waiters on each job.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -105,6 +105,34 @@ class Done:
         self.fired = False
         # The final record, when it could be read (else waiters read it).
         self.job: JobInfo | None = None
+
+
+class ListedBlobs:
+    """The blobs listed in recent manifests (bundles, folder inputs), to check
+    a worker's fetches: it fetches a tree's files one by one, and a manifest
+    never changes (its digest names it). Bounded by the digests held, not by
+    manifests, since one tree may list a million files. Not thread-safe: the
+    control plane calls it under its lock."""
+
+    def __init__(self, max_digests: int) -> None:
+        self.max_digests = max_digests
+        self._by_root: OrderedDict[str, frozenset[str]] = OrderedDict()
+        self.held = 0  # digests, over every manifest kept
+
+    def get(self, root: str) -> frozenset[str] | None:
+        listed = self._by_root.get(root)
+        if listed is not None:
+            self._by_root.move_to_end(root)
+        return listed
+
+    def put(self, root: str, listed: frozenset[str]) -> None:
+        if root in self._by_root:  # (another thread read it too)
+            return
+        self._by_root[root] = listed
+        self.held += len(listed)
+        while self._by_root and self.held > self.max_digests:
+            _, dropped = self._by_root.popitem(last=False)
+            self.held -= len(dropped)
 
 
 @dataclass
