@@ -12,6 +12,7 @@ from pathlib import Path
 import gpulayer
 from gpulayer.store import Store
 from gpulayer.store.sqlite import SqliteStore
+from gpulayer.transport import Transport
 
 PY = sys.executable
 ALLREDUCE = Path(__file__).parent / "distributed" / "allreduce.py"
@@ -99,3 +100,17 @@ def refuse_commits(store: Store, count: int | None = 1, *, skip: int = 0) -> Ref
     refusing = Refusing(store._db, count, skip=skip)
     store._db = refusing  # type: ignore[assignment]
     return refusing
+
+
+def record_registrations(transport: Transport) -> list[tuple[str, bool]]:
+    """(worker id, adopted) of each registration through ``transport`` from
+    now on; the registrations still go through."""
+    calls: list[tuple[str, bool]] = []
+    register = transport.register_worker
+
+    def recorded(info, running=(), *, adopted=False):  # type: ignore[no-untyped-def]
+        calls.append((info.id, adopted))
+        return register(info, running, adopted=adopted)
+
+    transport.register_worker = recorded  # type: ignore[method-assign]
+    return calls

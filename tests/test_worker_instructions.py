@@ -19,7 +19,7 @@ from gpulayer.transport.inprocess import InProcessTransport
 from gpulayer.worker.task import TaskRun
 from gpulayer.worker.worker import Worker
 
-from helpers import PY
+from helpers import PY, record_registrations
 
 
 def _cancels(*ids: str) -> list[Instruction]:
@@ -205,19 +205,6 @@ def _unreachable() -> None:
     raise ServerUnreachable("away")
 
 
-def _record_registrations(embedded: Embedded) -> list[str]:
-    """The ids that register through ``embedded``'s transport from now on."""
-    calls: list[str] = []
-    register = embedded.transport.register_worker
-
-    def recorded(info, running=(), *, adopted=False):  # type: ignore[no-untyped-def]
-        calls.append(info.id)
-        return register(info, running, adopted=adopted)
-
-    embedded.transport.register_worker = recorded  # type: ignore[method-assign]
-    return calls
-
-
 def test_a_worker_does_not_register_again_while_a_report_is_still_on_its_way(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -227,7 +214,7 @@ def test_a_worker_does_not_register_again_while_a_report_is_still_on_its_way(
 
     monkeypatch.setattr(defaults, "RECONNECT_MAX_S", 0.1)
     embedded = Embedded(home)
-    calls = _record_registrations(embedded)
+    calls = record_registrations(embedded.transport)
     worker = Worker(embedded.transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
     try:
         worker._outbox.send(_unreachable)  # a task's end, kept while the server is away
@@ -270,7 +257,7 @@ def test_a_report_queued_just_after_the_outbox_was_through_still_holds_registrat
     """A task may end, and its report meet a 503, between the outbox's flush
     and the look at the running tasks: the task is then named nowhere."""
     embedded = Embedded(home)
-    calls = _record_registrations(embedded)
+    calls = record_registrations(embedded.transport)
     worker = Worker(embedded.transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
     flush = worker._outbox.flush
 

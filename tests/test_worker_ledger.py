@@ -11,7 +11,7 @@ from gpulayer.spec import parse_spec
 from gpulayer.worker.ledger import Ledger, _read
 from gpulayer.worker.worker import Worker
 
-from helpers import PY, pids_alive
+from helpers import PY, pids_alive, record_registrations
 
 STUBBORN = (
     "import os, signal, time\n"
@@ -80,14 +80,7 @@ def test_a_worker_taking_over_a_dead_ones_id_says_it_adopted_it(home: Path) -> N
     dead.set_worker_id("1m8deadworker0")
     os.close(dead._fd)  # the process died: its lock went with it
     embedded = Embedded(home)
-    calls: list[tuple[str, bool]] = []
-    register = embedded.transport.register_worker
-
-    def recorded(info, running=(), *, adopted=False):  # type: ignore[no-untyped-def]
-        calls.append((info.id, adopted))
-        return register(info, running, adopted=adopted)
-
-    embedded.transport.register_worker = recorded  # type: ignore[method-assign]
+    calls = record_registrations(embedded.transport)
     worker = Worker(
         embedded.transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True
     )
