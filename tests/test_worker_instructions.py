@@ -16,6 +16,7 @@ from gpulayer.jobs import CancelTask, Instruction, RunTask, TaskResult, WorkerIn
 from gpulayer.spec import parse_spec
 from gpulayer.transport.http import _Received
 from gpulayer.transport.inprocess import InProcessTransport
+from gpulayer.worker import task as task_module
 from gpulayer.worker.task import TaskRun
 from gpulayer.worker.worker import Worker
 
@@ -155,6 +156,68 @@ def test_a_handed_over_task_runs_even_if_tidying_after_the_last_failed(home: Pat
         assert embedded.plane.wait(first.id, timeout=60).state == "succeeded"
         assert embedded.plane.wait(second.id, timeout=60).state == "succeeded"
         assert failed == [first.id]
+    finally:
+        transport.closed.set()
+        worker.stop(timeout=30)
+        embedded.close()
+
+
+def test_a_task_whose_tidying_up_fails_still_reports_its_end(home: Path) -> None:
+    """Closing a task's log (or joining its terminators) can fail; the task's
+    result must still be reported and the task let go, or its job runs on
+    forever and the worker's stop waits for it."""
+    embedded = Embedded(home)
+    transport = _HeldPoll(embedded)
+    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
+
+    def full_disk(task: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    worker._logs.close_task = full_disk  # type: ignore[method-assign,assignment]
+    try:
+        worker.start()
+        job = transport.submit(parse_spec({"command": [PY, "-c", "pass"]}))
+        worker._handle(embedded.plane.take_instructions(worker.id))
+        assert embedded.plane.wait(job.id, timeout=60).state == "succeeded"
+        with worker._tasks_lock:
+            assert worker._idle.wait_for(lambda: not worker._tasks, timeout=30)
+    finally:
+        transport.closed.set()
+        worker.stop(timeout=30)
+        embedded.close()
+
+
+def test_a_terminator_is_listed_only_once_started(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task's thread joins every terminator listed; one listed before its
+    start, by a cancel on another thread, made that join raise."""
+    embedded = Embedded(home)
+    transport = _HeldPoll(embedded)
+    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
+    try:
+        worker.start()
+        job = transport.submit(
+            parse_spec({"command": [PY, "-c", "import time; print('up'); time.sleep(60)"]})
+        )
+        worker._handle(embedded.plane.take_instructions(worker.id))
+        assert [line.text for line in embedded.plane.read_logs(job.id, (0, 0), 30).lines] == ["up"]
+        with worker._tasks_lock:
+            (run,) = worker._tasks.values()
+        listed_at_start: list[bool] = []
+        start = threading.Thread.start
+
+        def watched_start(thread: threading.Thread) -> None:
+            if getattr(thread, "_target", None) is task_module.terminate_tree:
+                listed_at_start.append(any(t is thread for t in run._terminators))
+            start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", watched_start)
+        embedded.plane.cancel(job.id)
+        worker._handle(embedded.plane.take_instructions(worker.id))
+        assert embedded.plane.wait(job.id, timeout=60).state == "cancelled"
+        monkeypatch.undo()
+        assert listed_at_start == [False]
     finally:
         transport.closed.set()
         worker.stop(timeout=30)

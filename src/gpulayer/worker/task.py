@@ -177,8 +177,8 @@ class TaskRun:
             thread = threading.Thread(
                 target=terminate_tree, args=(proc,), kwargs={"grace": self.kill_grace}, daemon=True
             )
+            thread.start()  # listed once started: _run_one joins what it lists
             self._terminators.append(thread)
-            thread.start()
 
     def _result(self, outcome: Outcome, **fields: object) -> TaskResult:
         fields.setdefault("stderr_tail", list(self._stderr_tail))
@@ -237,13 +237,16 @@ class TaskRun:
                         if pipe is not None:
                             pipe.close()
                 result = self._result("error", error=f"{type(exc).__name__}: {exc}")
-        for terminator in self._terminators:
-            # Report "cancelled" only once the whole tree is gone.
-            terminator.join()
-        if self._port_sock is not None:
-            self._port_sock.close()
         tasklog = self._tasklog
-        self.logs.close_task(tasklog)
+        try:
+            for terminator in self._terminators:
+                # Report "cancelled" only once the whole tree is gone.
+                terminator.join()
+            if self._port_sock is not None:
+                self._port_sock.close()
+            self.logs.close_task(tasklog)
+        except Exception:  # the result must still go, or the job runs on forever
+            log.exception("task %s: tidying up after it failed", self.task.job_id)
         if tasklog.pending:  # the server is away: its last lines go before its result
             self.report(lambda: self.logs.deliver_rest(tasklog))
 
