@@ -3,11 +3,19 @@ its home when its tasks could not all be ended."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from pathlib import Path
 
+import pytest
+
 from gpulayer.embedded import Embedded
+from gpulayer.errors import ServerUnreachable
+from gpulayer.jobs import Instruction, TaskResult
 from gpulayer.spec import parse_spec
+from gpulayer.transport.inprocess import InProcessTransport
+from gpulayer.worker import worker as worker_module
 from gpulayer.worker.ledger import Ledger, _read
 from gpulayer.worker.worker import Worker
 
@@ -89,4 +97,100 @@ def test_a_worker_taking_over_a_dead_ones_id_says_it_adopted_it(home: Path) -> N
         assert calls == [("1m8deadworker0", True)]
     finally:
         worker.stop(timeout=5)
+        embedded.close()
+
+
+def _result(job_id: str, attempt: int = 1) -> TaskResult:
+    return TaskResult(
+        job_id=job_id, attempt=attempt, worker_id="1m8deadworker0", outcome="exited", exit_code=3
+    )
+
+
+def test_kept_results_outlive_their_worker_process_until_dropped(tmp_path: Path) -> None:
+    dead = Ledger(tmp_path)
+    dead.set_worker_id("1m8deadworker0")
+    first, second = _result("1m8job00000001"), _result("1m8job00000002", attempt=2)
+    dead.keep(first)
+    dead.keep(second)
+    dead.drop(second)  # the server took this one
+    dead.drop(_result("1m8job00000003"))  # never kept: nothing to do
+    assert dead.kept() == [first]
+    dead.close()  # a result is still kept: the ledger stays for the next worker
+    assert dead.dir.exists()
+
+    heir = Ledger(tmp_path)
+    try:
+        assert heir.recover(grace=0.2) == "1m8deadworker0"
+        assert not dead.dir.exists()
+        assert heir.kept() == [first]  # now its own, read back whole
+        os.close(heir._fd)  # this one dies too, before delivering it
+        again = Ledger(tmp_path)
+        assert again.recover(grace=0.2) is None  # no id was set on the heir
+        assert again.kept() == [first]
+        again.drop(first)
+        assert again.kept() == [] and list((again.dir / "results").iterdir()) == []
+        again.close()
+        assert not again.dir.exists()  # nothing left to recover: tidied away
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(heir._fd)
+
+
+class _Away(InProcessTransport):
+    """The server is away for results and goodbyes while ``away`` is set."""
+
+    def __init__(self, embedded: Embedded) -> None:
+        super().__init__(embedded.plane, embedded.artifacts)
+        self.away = threading.Event()
+        self.refused = threading.Event()
+
+    def task_finished(self, result: TaskResult, *, take: bool = True) -> list[Instruction]:
+        if self.away.is_set():
+            self.refused.set()
+            raise ServerUnreachable("away")
+        return super().task_finished(result, take=take)
+
+    def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
+        if self.away.is_set():
+            raise ServerUnreachable("away")
+        super().heartbeat(worker_id, stopping=stopping)
+
+    def unregister_worker(self, worker_id: str) -> None:
+        if self.away.is_set():
+            raise ServerUnreachable("away")
+        super().unregister_worker(worker_id)
+
+
+def test_a_result_kept_while_the_server_was_away_is_delivered_by_the_next_worker(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task ends while the server is away, and its worker stops (or is
+    killed) before the server is back: the next worker process on the home
+    delivers the result before registering, so the job ends as it ran."""
+    monkeypatch.setattr(worker_module, "_OUTBOX_STOP_S", 0.2)
+    embedded = Embedded(home)
+    work = home / "ledger-workers"
+    transport = _Away(embedded)
+    first = Worker(transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True)
+    second = None
+    try:
+        first.start()
+        transport.away.set()
+        job = transport.submit(parse_spec({"command": [PY, "-c", "raise SystemExit(7)"]}))
+        assert transport.refused.wait(60)
+        first.stop(timeout=0.5)  # its goodbye is not heard either
+        assert embedded.plane.get(job.id).state == "running"
+        (kept,) = (work / "live").glob("*/results/*")
+        assert kept.name == f"{job.id}-1-0"
+
+        transport.away.clear()
+        second = Worker(transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True)
+        second.start()
+        final = embedded.plane.wait(job.id, timeout=30)
+        assert (final.state, final.exit_code, final.attempt) == ("failed", 7, 1)
+        assert second.id == first.id  # it took over the dead one's id
+        assert list((work / "live").glob("*/results/*")) == []
+    finally:
+        if second is not None:
+            second.stop(timeout=5)
         embedded.close()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -25,6 +27,28 @@ def follow_until(job: gpulayer.Job, prefix: str) -> str:
         if line.text.startswith(prefix):
             return line.text
     raise AssertionError(f"no line starting {prefix!r}: {job.logs()}")
+
+
+def said(proc: subprocess.Popen[str], text: str, timeout: float = 60.0) -> str:
+    """The first line of ``proc``'s stderr containing ``text``; fails after
+    ``timeout`` s rather than wait on a process that never says it."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if text in line:
+                lines.put(line)
+                return
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        line = lines.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"nothing said {text!r} in {timeout} s") from None
+    assert line is not None, f"it ended without saying {text!r}"
+    return line
 
 
 def request(
@@ -249,16 +273,41 @@ def test_a_worker_cut_off_delivers_its_results_afterwards(
             g.write("go")
         with open(done) as d:  # the job has finished while nobody listened
             assert d.read() == "x"
-        assert worker.stderr is not None
-        for line in worker.stderr:  # the worker could not deliver and kept what it had
-            if "keeping them to send later" in line:
-                break
+        said(worker, "keeping them to send later")  # it could not deliver, and kept them
         server.proc = None
         server.start()
         assert job.wait(timeout=60) == "succeeded", job.info.reason
         assert job.logs() == "before\nduring the outage\n"
         out = job.download_outputs(tmp_path / "dl")
         assert (out / "result.txt").read_text() == "kept"
+
+
+def test_a_result_kept_through_a_killed_worker_is_delivered_by_the_next(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    """A task ends while the server is down, and its worker is killed before
+    the server is back: the next worker on the same home delivers the
+    result it kept on disk, so the job ends as it ran, not lost."""
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    doomed = server.start_worker(tmp_path / "w", name="doomed")
+    code = f"print('before', flush=True); open({str(gate)!r}).read(); raise SystemExit(3)"
+    with server.client() as client:
+        job = client.submit(command=[PY, "-c", code])
+        follow_until(job, "before")
+        server.kill(signal.SIGKILL)
+        with open(gate, "w") as g:
+            g.write("go")
+        said(doomed, f"kept the result of job {job.id}")
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        server.proc = None
+        server.start()
+        server.start_worker(tmp_path / "w", name="heir")
+        assert job.wait(timeout=60) == "failed"
+        info = job.refresh()
+        assert (info.exit_code, info.attempt) == (3, 1), info.reason
+        assert job.logs() == "before\n"
 
 
 def test_workers_advertise_the_address_they_reach_the_server_from(

@@ -8,6 +8,8 @@ GPUs while the server retries the job elsewhere. So a worker keeps a ledger::
       lock          flock-held for the worker process's life
       worker-id     the id the server gave it
       tasks/<n>     one running task: a line per process, "<pid> <start time>"
+      results/<job id>-<attempt>-<node>
+                    a task's result the server has not taken yet (JSON)
     <work dir>/<worker id>/     its task folders (removed with its ledger)
 
 The record files are made once and written in place: a task's record
@@ -20,6 +22,14 @@ is dead, however it died), ends every process they list that is still the
 same process (pid and start time agree), and takes over one dead worker's
 id: registering under it tells the server at once that the old tasks are
 gone, rather than after the heartbeat timeout.
+
+A result waits in a worker's outbox while the server is away. It is written
+under ``results/`` when it is queued, and removed once the server has taken
+it (or refused it). The next worker process on the home moves a dead one's
+results into its own ledger and delivers them before it registers, so a task
+that ended while the server was away keeps its outcome even if its worker
+was killed before the server came back. Nothing is written while the server
+answers: a result delivered at once never touches the disk.
 """
 
 from __future__ import annotations
@@ -32,7 +42,10 @@ import shutil
 import threading
 from pathlib import Path
 
+import msgspec
+
 from ..home import take_lock
+from ..jobs import TaskResult
 from .process import kill_orphans
 
 log = logging.getLogger(__name__)
@@ -46,18 +59,22 @@ class Ledger:
         # Locked before it has its name: no one can see it unlocked.
         new = self.root / f".new-{name}"
         (new / "tasks").mkdir(parents=True)
+        (new / "results").mkdir()
         fd = take_lock(new / "lock", create=True)
         assert fd is not None  # a name no one else has
         self._fd = fd
         self.dir = new.rename(self.root / name)
         self._tasks = f"{self.dir}/tasks/"
+        self._results = self.dir / "results"
+        self._kept: set[str] = set()  # the results under results/, by file name
         self._lock = threading.Lock()
         self._free: list[_Record] = []  # blank record files, for the next tasks
         self._used: dict[str, _Record] = {}  # by task
         self._made = 0
 
     def recover(self, *, grace: float) -> str | None:
-        """End what dead workers left running; return one dead worker's id."""
+        """End what dead workers left running, take over the results they had
+        not delivered (see :meth:`kept`); return one dead worker's id."""
         adopted: str | None = None
         for other in sorted(self.root.iterdir()):
             if other == self.dir or other.name.startswith("."):
@@ -72,6 +89,9 @@ class Ledger:
                         ended += kill_orphans(pid, created, grace=grace)
                 if ended:
                     log.warning("ended %d process tree(s) a dead worker left running", ended)
+                for result in sorted((other / "results").glob("[!.]*")):
+                    os.replace(result, self._results / result.name)
+                    self._kept.add(result.name)
                 worker_id = ""
                 with contextlib.suppress(OSError):
                     worker_id = (other / "worker-id").read_text().strip()
@@ -86,6 +106,51 @@ class Ledger:
 
     def set_worker_id(self, worker_id: str) -> None:
         (self.dir / "worker-id").write_text(worker_id)
+
+    def keep(self, result: TaskResult) -> None:
+        """Write ``result`` down until :meth:`drop`: it waits for the server."""
+        name = _result_name(result)
+        temporary = self._results / f".{name}"
+        with open(temporary, "wb") as file:
+            file.write(msgspec.json.encode(result))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, self._results / name)
+        with self._lock:
+            self._kept.add(name)
+        log.warning(
+            "kept the result of job %s (attempt %d) on disk until the server takes it",
+            result.job_id,
+            result.attempt,
+        )
+
+    def drop(self, result: TaskResult) -> None:
+        """The server took ``result`` (or refused it): it is kept no longer."""
+        name = _result_name(result)
+        with self._lock:
+            if name not in self._kept:  # the usual case: it was never written
+                return
+            self._kept.discard(name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._results / name)
+
+    def kept(self) -> list[TaskResult]:
+        """The results kept here, a dead worker's taken over included."""
+        with self._lock:
+            names = sorted(self._kept)
+        found = []
+        for name in names:
+            try:
+                found.append(
+                    msgspec.json.decode((self._results / name).read_bytes(), type=TaskResult)
+                )
+            except (OSError, msgspec.DecodeError):  # cut short by a full disk, say
+                log.warning("a kept result (%s) could not be read; dropping it", name)
+                with self._lock:
+                    self._kept.discard(name)
+                with contextlib.suppress(OSError):
+                    os.unlink(self._results / name)
+        return found
 
     def record(self, key: str, procs: list[tuple[int, float]]) -> None:
         """Note the processes of task ``key`` (its pids and start times)."""
@@ -111,12 +176,17 @@ class Ledger:
         return _Record(os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
 
     def close(self) -> None:
-        """The worker stops cleanly: nothing of its is left to recover."""
+        """The worker stops with its tasks ended. Unless it holds results the
+        server has not taken, nothing of its is left to recover."""
         with self._lock:
             records, self._free, self._used = [*self._free, *self._used.values()], [], {}
+            kept = bool(self._kept)
         for record in records:
             os.close(record.fd)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if kept:
+            log.warning("leaving undelivered results in %s for the next worker", self._results)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
         os.close(self._fd)
 
 
@@ -131,6 +201,10 @@ class _Record:
         # One write at offset 0: a reader sees the old record or the new one.
         self.size = max(self.size, len(text))
         os.pwrite(self.fd, text.ljust(self.size), 0)
+
+
+def _result_name(result: TaskResult) -> str:
+    return f"{result.job_id}-{result.attempt}-{result.node}"
 
 
 def _read(record: Path) -> list[tuple[int, float]]:

@@ -2,7 +2,8 @@
 
 A worker cut off from its server keeps running its tasks; what it has to say
 about them (started, finished) waits here and goes out, oldest first, when
-the server answers again. Delivery retries with capped exponential backoff.
+the server answers again. A task's result that waits is also kept on disk
+(see ledger.py), so that it outlives the worker process. Delivery retries with capped exponential backoff.
 Within the heartbeat timeout nothing is lost; past it the server has already
 given the task up, and a late result for that attempt is ignored there.
 """
@@ -29,8 +30,12 @@ class Outbox:
         self._max_backoff = max_backoff
         self._thread: threading.Thread | None = None
 
-    def send(self, deliver: Callable[[], None]) -> None:
-        """Deliver now if nothing is waiting; else (or on failure) queue it."""
+    def send(self, deliver: Callable[[], None], keep: Callable[[], None] | None = None) -> None:
+        """Deliver now if nothing is waiting; else (or on failure) queue it.
+
+        ``keep`` runs when the report is queued, before the outbox's thread
+        can deliver it: a worker keeps a task's result on disk that way, for
+        the next worker process on its home should this one die first."""
         with self._cond:
             queued = bool(self._items)
         if not queued:
@@ -39,6 +44,11 @@ class Outbox:
                 return
             except ServerUnreachable:
                 log.warning("server unreachable: keeping a report to deliver later")
+        if keep is not None:
+            try:
+                keep()
+            except OSError:  # a full disk, say: it still waits here, in memory
+                log.warning("could not keep a report on disk", exc_info=True)
         with self._cond:
             self._items.append(deliver)
             if self._thread is None:

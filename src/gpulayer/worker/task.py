@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from .. import defaults
 from ..artifacts import ArtifactStore
@@ -65,6 +66,19 @@ log = logging.getLogger(__name__)
 _successor = threading.local()
 
 
+class Report(Protocol):
+    """Delivers a report now, or later if the server is away; ``keep`` runs
+    if it has to wait (the worker's outbox)."""
+
+    def __call__(
+        self, deliver: Callable[[], None], keep: Callable[[], None] | None = None
+    ) -> None: ...
+
+
+def _deliver_now(deliver: Callable[[], None], keep: Callable[[], None] | None = None) -> None:
+    deliver()
+
+
 class TaskRun:
     def __init__(
         self,
@@ -81,8 +95,9 @@ class TaskRun:
         acquired: float,
         on_done: Callable[[TaskRun], None],
         on_spawned: Callable[[TaskRun, list[tuple[int, float]]], None] | None = None,
-        report: Callable[[Callable[[], None]], None] = lambda deliver: deliver(),
+        report: Report = _deliver_now,
         finish: Callable[[TaskResult], object] | None = None,
+        keep: Callable[[TaskResult], None] | None = None,
         defer_started: float | None = None,
         interface: str | None = None,
     ) -> None:
@@ -103,6 +118,8 @@ class TaskRun:
         # Reports the result (and acts on what the reply brings); by default
         # the transport's report alone.
         self.finish = finish or transport.task_finished
+        # Writes down a result that has to wait for the server (the ledger).
+        self.keep = keep
         # Over a network, a task's start is reported only once it has run this
         # long (a short task's start goes with its end: one request fewer).
         # In-process it is reported at once: the pid in the store is what lets
@@ -253,9 +270,13 @@ class TaskRun:
         def deliver() -> None:
             self.finish(result)
 
+        def keep() -> None:
+            if self.keep is not None:
+                self.keep(result)
+
         _successor.open = True  # a task in the reply is handed to this thread
         try:
-            self.report(deliver)
+            self.report(deliver, keep)
         finally:
             _successor.open = False
             self.on_done(self)

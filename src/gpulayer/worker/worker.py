@@ -131,6 +131,10 @@ class Worker:
                 # Come back as the dead worker: the server learns at once
                 # that its tasks are gone, not after the heartbeat timeout.
                 self.info.id, adopted = previous, True
+                # Should this process die before it registers, the next one
+                # adopts the id in turn.
+                self._ledger.set_worker_id(previous)
+            self._deliver_kept(self._ledger)
         self.info = self.transport.register_worker(self.info, adopted=adopted)
         if self._ledger is not None:
             self._ledger.set_worker_id(self.info.id)
@@ -148,6 +152,31 @@ class Worker:
                 name=f"gpulayer-heartbeat-{self.info.id}",
                 daemon=True,
             ).start()
+
+    def _deliver_kept(self, ledger: Ledger) -> None:
+        """Results a dead worker process kept (the server was away when its
+        tasks ended) go before registering: after it, the server takes those
+        tasks for lost. Raises ServerUnreachable as registering would; they
+        stay kept for the next try."""
+        for result in ledger.kept():
+            try:
+                self.transport.task_finished(result, take=False)
+            except ServerUnreachable:
+                raise
+            except GPUlayerError as exc:
+                log.warning(
+                    "a kept result of job %s (attempt %d) was refused: %s",
+                    result.job_id,
+                    result.attempt,
+                    exc,
+                )
+            else:
+                log.warning(
+                    "delivered the result of job %s (attempt %d) a stopped worker kept",
+                    result.job_id,
+                    result.attempt,
+                )
+            ledger.drop(result)
 
     def _loop(self) -> None:
         backoff = 0.05
@@ -208,7 +237,23 @@ class Worker:
         """
         with self._registering:
             take = not self._stopping.is_set()
-            self._handle(self.transport.task_finished(result, take=take))
+            try:
+                instructions = self.transport.task_finished(result, take=take)
+            except ServerUnreachable:
+                raise  # it stays kept, and the outbox tries again
+            except BaseException:
+                self._drop_kept(result)  # refused: the outbox drops it
+                raise
+            self._drop_kept(result)
+            self._handle(instructions)
+
+    def _keep(self, result: TaskResult) -> None:
+        if self._ledger is not None:
+            self._ledger.keep(result)
+
+    def _drop_kept(self, result: TaskResult) -> None:
+        if self._ledger is not None:
+            self._ledger.drop(result)
 
     def _reregister(self) -> bool:
         """Register again (the server restarted, or gave us up), naming the
@@ -261,7 +306,7 @@ class Worker:
                 outcome="returned",
                 node=task.node,
             )
-            self._outbox.send(lambda: self._finish(result))
+            self._outbox.send(lambda: self._finish(result), lambda: self._keep(result))
             return
         with self._tasks_lock:
             task_dir = self._spares.pop() if self._spares else make_spare(self._new_dir())
@@ -281,6 +326,7 @@ class Worker:
             interface=self._interface,
             report=self._outbox.send,
             finish=self._finish,
+            keep=None if self._ledger is None else self._ledger.keep,
             defer_started=defaults.REPORT_STARTED_AFTER_S if self.heartbeat_interval else None,
         )
         with self._tasks_lock:
