@@ -8,12 +8,15 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .client import Client, Job
 from .errors import GPUlayerError, SpecError
+
+if TYPE_CHECKING:
+    from .transport.http import HttpTransport
 
 # How `gpulayer run` exits for each final state (a failed job passes its own code on).
 EXIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 130, "timed_out": 124, "lost": 1}
@@ -559,18 +562,48 @@ def token() -> None:
     """Manage API tokens (needs an admin token)."""
 
 
+def _admin_transport(ctx: click.Context) -> HttpTransport:
+    from .transport.http import HttpTransport
+
+    if not ctx.obj["server"]:
+        raise click.UsageError("tokens belong to a server: --server URL or GPULAYER_SERVER")
+    transport = HttpTransport(ctx.obj["server"], token=ctx.obj["token"], ca_file=ctx.obj["ca_file"])
+    ctx.call_on_close(transport.close)
+    return transport
+
+
 @token.command("create")
 @click.option("--role", type=click.Choice(["worker", "user", "admin"]), required=True)
 @click.option("--name", help="What the token is for.")
 @click.pass_context
 def token_create(ctx: click.Context, role: str, name: str | None) -> None:
     """Make a token and print it (it is shown only this once)."""
-    from .transport.http import HttpTransport
+    click.echo(_admin_transport(ctx).create_token(role, name))
 
-    if not ctx.obj["server"]:
-        raise click.UsageError("tokens belong to a server: --server URL or GPULAYER_SERVER")
-    transport = HttpTransport(ctx.obj["server"], token=ctx.obj["token"], ca_file=ctx.obj["ca_file"])
-    click.echo(transport.create_token(role, name))
+
+@token.command("list")
+@click.pass_context
+def token_list(ctx: click.Context) -> None:
+    """List the server's tokens, oldest first: id, role, name, when made."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table("ID", "ROLE", "NAME", "CREATED", box=None)
+    for made in _admin_transport(ctx).list_tokens():
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(made.created))
+        table.add_row(made.id, made.role, escape(made.name) if made.name else "-", created)
+    Console().print(table)
+
+
+@token.command("revoke")
+@click.argument("token_id", metavar="ID")
+@click.pass_context
+def token_revoke(ctx: click.Context, token_id: str) -> None:
+    """Revoke the token with this ID (as `token list` shows it): the server
+    refuses it from its next request on."""
+    _admin_transport(ctx).revoke_token(token_id)
+    click.echo(f"token {token_id} revoked")
 
 
 if __name__ == "__main__":

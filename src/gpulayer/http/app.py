@@ -240,13 +240,14 @@ class Api:
         self.auth_enabled = auth_enabled
         self.metrics = Metrics(plane)
         # Valid tokens' roles, by Authorization header: every request of a
-        # job would otherwise hash its token and query the store. Tokens are
-        # never revoked or changed by the API, so a known one stays valid.
+        # job would otherwise hash its token and query the store. A token's
+        # role never changes; a revocation empties it (see revoke_token).
         self._roles: dict[str, str] = {}
         # Which token (Authorization header) registered each worker: a worker token
         # acts only for the workers it registered, not for others' (a fleet
         # sharing one token shares that right). Kept in memory: after a
-        # restart, workers register again, and are bound again.
+        # restart, workers register again, and are bound again. A revoked
+        # token's workers stay bound to it: revoking grants no one anything.
         self._owners: dict[str, str] = {}
 
     def guard(
@@ -560,6 +561,30 @@ class Api:
             201,
         )
 
+    async def list_tokens(self, request: Request) -> Response:
+        return _json(auth.list_tokens(self.plane.store))
+
+    async def revoke_token(self, request: Request) -> Response:
+        token_id = request.path_params["token_id"]
+        found = auth.find_token(self.plane.store, token_id)
+        if found is None:
+            raise ApiError(404, f"no token {token_id} on this server (see GET /api/v1/tokens)")
+        hashed, role = found
+        # Refused only for the last admin token: nothing awaits between the
+        # look-up and here, so no other request has revoked it meanwhile.
+        if not self.plane.store.delete_token(hashed, keep_last=auth.ADMIN):
+            raise ApiError(
+                409,
+                f"token {token_id} is the last admin token: without it no one could make or "
+                "revoke tokens; make another admin token first",
+            )
+        # The cache would honour the token still. Finding its entries means
+        # hashing every cached header (one token may be sent in several
+        # spellings); emptying it costs each token in use one store read.
+        self._roles.clear()
+        log.info("token %s (%s) revoked", token_id, role)
+        return Response(status=204)
+
     async def health(self, request: Request) -> Response:
         return _json({"ok": True})
 
@@ -606,6 +631,8 @@ def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: b
         ("PUT", f"{v1}/blobs/{{digest:str}}", g(both, api.put_blob)),
         ("GET", f"{v1}/blobs/{{digest:str}}", g(both, api.get_blob)),
         ("POST", f"{v1}/tokens", g((), api.create_token)),
+        ("GET", f"{v1}/tokens", g((), api.list_tokens)),
+        ("DELETE", f"{v1}/tokens/{{token_id}}", g((), api.revoke_token)),
     ]
     app = App(endpoints)
     app.state["api"] = api

@@ -1,7 +1,9 @@
 """Bearer tokens and what each role may do.
 
 Tokens are random, shown once, and stored only as their sha256, so a copy
-of the database grants nothing. Three roles:
+of the database grants nothing. A token is known by its id, the first 12
+hex digits of that sha256: safe to show (nothing of the token can be
+recovered from it), and its holder can work it out. Three roles:
 
 - ``admin``: everything, including making tokens;
 - ``user``: submit, watch and cancel jobs, move blobs, list workers;
@@ -16,9 +18,11 @@ import time
 
 from ..errors import GPUlayerError
 from ..store import Store
+from .schemas import TokenInfo
 
 ROLES = ("admin", "user", "worker")
 ADMIN, USER, WORKER = ROLES
+ID_LENGTH = 12  # hex digits of a token's sha256 that name it (48 bits)
 
 
 class AuthError(GPUlayerError):
@@ -36,9 +40,31 @@ def digest(token: str) -> str:
 def create_token(store: Store, role: str, name: str | None = None) -> str:
     if role not in ROLES:
         raise GPUlayerError(f"unknown role {role!r}; valid roles: {', '.join(ROLES)}")
-    token = f"glt_{role[0]}_{secrets.token_urlsafe(32)}"
-    store.add_token(digest(token), role, name, time.time())
+    taken = {hashed[:ID_LENGTH] for hashed, *_ in store.list_tokens()}
+    while True:  # an id names one token (a clash is as likely as guessing 48 bits)
+        token = f"glt_{role[0]}_{secrets.token_urlsafe(32)}"
+        hashed = digest(token)
+        if hashed[:ID_LENGTH] not in taken:
+            break
+    store.add_token(hashed, role, name, time.time())
     return token
+
+
+def list_tokens(store: Store) -> list[TokenInfo]:
+    return [
+        TokenInfo(id=hashed[:ID_LENGTH], role=role, name=name, created=created)
+        for hashed, role, name, created in store.list_tokens()
+    ]
+
+
+def find_token(store: Store, token_id: str) -> tuple[str, str] | None:
+    """The sha256 and role of the token with this id, if there is one."""
+    if len(token_id) != ID_LENGTH:
+        return None  # a shorter prefix may name several
+    for hashed, role, _, _ in store.list_tokens():
+        if hashed.startswith(token_id):
+            return hashed, role
+    return None
 
 
 def role_of(store: Store, authorization: str | None) -> str:

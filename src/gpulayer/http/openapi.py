@@ -11,6 +11,7 @@ import msgspec
 from .. import __version__
 from ..jobs import STATES, Instruction, JobInfo, LogChunk, TaskResult, TaskStarted, WorkerInfo
 from ..spec import Digest
+from .auth import ID_LENGTH
 from .schemas import (
     BlobList,
     HeartbeatRequest,
@@ -18,6 +19,7 @@ from .schemas import (
     RegisterRequest,
     RendezvousReport,
     SubmitRequest,
+    TokenInfo,
     TokenRequest,
     TokenResponse,
     WaitReply,
@@ -30,6 +32,8 @@ _TIMEOUT = {"type": "number", "minimum": 0, "maximum": 60}
 _CURSOR = {"type": "integer", "minimum": 0, "maximum": 1 << 62}
 _GEN = {"type": "integer", "minimum": 0, "maximum": (1 << 63) - 1}
 _DIGEST = msgspec.json.schema(Digest)
+_TOKEN_ID = {"type": "string", "pattern": f"^[0-9a-f]{{{ID_LENGTH}}}$"}
+_PATH_PARAMS = {"{digest}": _DIGEST, "{token_id}": _TOKEN_ID}  # the others: any string
 
 # (method, path, summary, request body type, response type, query parameters)
 _Q = dict[str, tuple[dict[str, Any], str]]  # name -> (JSON Schema, description)
@@ -158,6 +162,22 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
     ("put", "/api/v1/blobs/{digest}", "Upload a blob (sha256 of its bytes)", bytes, None, {}),
     ("get", "/api/v1/blobs/{digest}", "Download a blob", None, bytes, {}),
     ("post", "/api/v1/tokens", "Create an API token (admin)", TokenRequest, TokenResponse, {}),
+    (
+        "get",
+        "/api/v1/tokens",
+        "List API tokens: id, role, name, creation time, never the token (admin)",
+        None,
+        list[TokenInfo],
+        {},
+    ),
+    (
+        "delete",
+        "/api/v1/tokens/{token_id}",
+        "Revoke an API token (admin); 409 for the last admin token",
+        None,
+        None,
+        {},
+    ),
     ("get", "/healthz", "Liveness", None, None, {}),
 ]
 
@@ -207,7 +227,7 @@ def document() -> dict[str, Any]:
                 "name": p.strip("{}"),
                 "in": "path",
                 "required": True,
-                "schema": _DIGEST if p == "{digest}" else {"type": "string"},
+                "schema": _PATH_PARAMS.get(p, {"type": "string"}),
             }
             for p in path.split("/")
             if p.startswith("{")

@@ -72,3 +72,13 @@ class TokenRequest(msgspec.Struct, forbid_unknown_fields=True):
 class TokenResponse(msgspec.Struct):
     token: str
     role: str
+
+
+class TokenInfo(msgspec.Struct, kw_only=True):
+    """A token as the server shows it: never the token, nor anything it can be
+    recovered from."""
+
+    id: str  # the start of its sha256 (see auth.py)
+    role: str
+    name: str | None
+    created: float  # seconds since the epoch

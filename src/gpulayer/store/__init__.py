@@ -178,6 +178,17 @@ class Store(abc.ABC):
     def count_tokens(self, role: str) -> int: ...
 
     @abc.abstractmethod
+    def list_tokens(self) -> list[tuple[str, str, str | None, float]]:
+        """Every token as (sha256, role, name, created), oldest first."""
+
+    @abc.abstractmethod
+    def delete_token(self, digest: str, *, keep_last: str | None = None) -> bool:
+        """Delete the token whose sha256 is ``digest``. False, with nothing
+        deleted, if there is none, or if it is the last token of the role
+        ``keep_last``: one atomic step, so two deletes at once cannot take
+        the last two."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 

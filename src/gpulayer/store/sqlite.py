@@ -525,6 +525,24 @@ class SqliteStore(Store):
                 self._db.execute("SELECT COUNT(*) FROM tokens WHERE role=?", (role,)).fetchone()[0]
             )
 
+    def list_tokens(self) -> list[tuple[str, str, str | None, float]]:
+        with self._guarded:
+            rows = self._db.execute(
+                "SELECT digest, role, name, created FROM tokens ORDER BY created, digest"
+            ).fetchall()
+        return [(str(d), str(role), name, float(created)) for d, role, name, created in rows]
+
+    def delete_token(self, digest: str, *, keep_last: str | None = None) -> bool:
+        with self._guarded:
+            return (
+                self._db.execute(
+                    "DELETE FROM tokens WHERE digest=? AND (role IS NOT ? OR "
+                    "(SELECT COUNT(*) FROM tokens WHERE role=?) > 1)",
+                    (digest, keep_last, keep_last),
+                ).rowcount
+                == 1
+            )
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

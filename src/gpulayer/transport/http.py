@@ -40,6 +40,7 @@ from ..errors import (
     SpecError,
     TransportError,
 )
+from ..http.schemas import TokenInfo
 from ..ids import new_id
 from ..jobs import Instruction, JobInfo, LogChunk, LogLine, TaskResult, TaskStarted, WorkerInfo
 from ..spec import JobSpec
@@ -253,6 +254,8 @@ class HttpTransport(Transport):
             return AccessDenied(f"{message} ({self.url})")
         if status == 404 and message.startswith("no blob "):
             return ArtifactError(message)
+        if status == 404 and message.startswith("no token "):
+            return TransportError(message)
         if status == 404:
             return JobNotFoundError(message)
         if status == 409:
@@ -539,6 +542,19 @@ class HttpTransport(Transport):
             "POST", "/api/v1/tokens", _Token, body=_encode({"role": role, "name": name})
         )
         return made.token
+
+    def list_tokens(self) -> list[TokenInfo]:
+        """Every token's id, role, name and creation time (needs an admin token)."""
+        return self._call("GET", "/api/v1/tokens", list[TokenInfo])
+
+    def revoke_token(self, token_id: str) -> None:
+        """From now on the server refuses the token with this id (needs an
+        admin token). InvalidStateError for the server's last admin token,
+        TransportError for an id that names no token."""
+        # Not sent again after a failure: had the first gone through, a
+        # second would say there is no such token.
+        with self._exchange("DELETE", f"/api/v1/tokens/{_q(token_id)}", retry=False) as response:
+            response.read()
 
     def close(self) -> None:
         with self._idle_lock:

@@ -1,0 +1,280 @@
+"""Listing and revoking API tokens: a real server, raw requests and the CLI;
+the role cache and the store's guard for the last admin token in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpulayer.artifacts import ArtifactStore
+from gpulayer.http import auth
+from gpulayer.http.app import create_app
+from gpulayer.http.openapi import document
+from gpulayer.service import ControlPlane
+from gpulayer.store.sqlite import SqliteStore
+from gpulayer.transport.http import HttpTransport
+from server.conftest import ServerProc, free_port
+from server.rawhttp import asgi_request, request
+
+from helpers import PY
+
+REVOKED = {"error": "the token is not valid on this server"}
+_WORKER = {"worker": {"id": "", "name": "w", "host": "h", "slot_gpus": [None]}}
+
+
+def _id(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
+def _make(server: ServerProc, role: str, name: str | None = None) -> str:
+    transport = HttpTransport(server.url, token=server.admin)
+    try:
+        return transport.create_token(role, name)
+    finally:
+        transport.close()
+
+
+def _listed(server: ServerProc) -> list[dict[str, Any]]:
+    status, tokens, _ = request(server, "GET", "/api/v1/tokens")
+    assert status == 200, tokens
+    assert isinstance(tokens, list)
+    return tokens
+
+
+def _revoke(server: ServerProc, token_id: str, token: str = "admin") -> tuple[int, Any]:
+    status, answer, _ = request(server, "DELETE", f"/api/v1/tokens/{token_id}", token=token)
+    return status, answer
+
+
+# ---- a real server ----
+
+
+def test_the_list_shows_each_token_without_its_secret(server: ServerProc) -> None:
+    before = time.time()
+    alice = _make(server, "user", "alice")
+    box = _make(server, "worker")
+    after = time.time()
+    tokens = _listed(server)
+    assert [(t["id"], t["role"], t["name"]) for t in tokens] == [
+        (_id(server.admin), "admin", "first admin"),
+        (_id(alice), "user", "alice"),
+        (_id(box), "worker", None),
+    ]
+    assert all(set(t) == {"id", "role", "name", "created"} for t in tokens)
+    assert before <= tokens[1]["created"] <= tokens[2]["created"] <= after
+    shown = str(tokens)
+    for token in (server.admin, alice, box):
+        secret = token.split("_", 2)[2]
+        assert secret not in shown
+        assert hashlib.sha256(token.encode()).hexdigest() not in shown  # what the store keeps
+
+
+def test_a_revoked_user_token_is_refused_from_its_next_request(server: ServerProc) -> None:
+    alice, bob = _make(server, "user", "alice"), _make(server, "user", "bob")
+    for _ in range(2):  # the second is answered from the server's cache of roles
+        assert request(server, "GET", "/api/v1/jobs", token=alice)[0] == 200
+    assert request(server, "GET", "/api/v1/jobs", token=bob)[0] == 200
+    assert _revoke(server, _id(alice)) == (204, {})
+    for _ in range(2):
+        status, answer, _ = request(server, "GET", "/api/v1/jobs", token=alice)
+        assert (status, answer) == (401, REVOKED)
+    # Nothing else changed: the other tokens work, and only alice's left the list.
+    assert request(server, "GET", "/api/v1/jobs", token=bob)[0] == 200
+    assert [t["name"] for t in _listed(server)] == ["first admin", "bob"]
+
+
+def test_a_revoked_worker_token_is_refused_and_its_workers_stay_bound(
+    server: ServerProc,
+) -> None:
+    mine, other = _make(server, "worker"), _make(server, "worker")
+    status, registered, _ = request(server, "POST", "/api/v1/workers", _WORKER, token=mine)
+    assert status == 201, registered
+    beat = f"/api/v1/workers/{registered['id']}/heartbeat"
+    assert request(server, "POST", beat, {"running": []}, token=mine)[0] == 204
+    assert _revoke(server, _id(mine)) == (204, {})
+    assert request(server, "POST", beat, {"running": []}, token=mine)[:2] == (401, REVOKED)
+    acquire = f"/api/v1/workers/{registered['id']}/acquire?timeout=0"
+    assert request(server, "POST", acquire, token=mine)[:2] == (401, REVOKED)
+    assert request(server, "POST", "/api/v1/workers", _WORKER, token=mine)[:2] == (401, REVOKED)
+    # Its worker is bound to it still: revoking grants no other worker token anything.
+    status, answer, _ = request(server, "POST", beat, {"running": []}, token=other)
+    assert status == 403 and "registered with another token" in answer["error"], answer
+    assert request(server, "POST", beat, {"running": []})[0] == 204  # an admin acts for any
+
+
+def test_a_worker_whose_token_is_revoked_is_lost_with_its_job(tmp_path: Path) -> None:
+    srv = ServerProc(tmp_path / "home", free_port(), heartbeat_timeout=1.0)
+    srv.start()
+    try:
+        box = _make(srv, "worker", "box")
+        srv.start_worker(tmp_path / "w1", token=box)
+        with srv.client() as client:
+            code = "import time; print('on', flush=True); time.sleep(60)"
+            job = client.submit(command=[PY, "-c", code], max_retries=0)
+            assert next(line.text for line in job.stream_logs()) == "on"
+            assert _revoke(srv, _id(box)) == (204, {})
+            # Its heartbeats are refused from now on: the server gives it up.
+            assert job.wait(timeout=30) == "lost"
+            assert "stopped heartbeating" in str(job.info.reason)
+    finally:
+        srv.stop()
+
+
+def test_the_last_admin_token_cannot_be_revoked(server: ServerProc) -> None:
+    first = _id(server.admin)
+    status, answer = _revoke(server, first)
+    assert status == 409, answer
+    assert answer["error"] == (
+        f"token {first} is the last admin token: without it no one could make or revoke "
+        "tokens; make another admin token first"
+    )
+    assert [t["id"] for t in _listed(server)] == [first]  # still there, and still works
+    second = _make(server, "admin", "second")
+    assert _revoke(server, first, token=second) == (204, {})
+    assert request(server, "GET", "/api/v1/tokens", token=server.admin)[:2] == (401, REVOKED)
+    assert _revoke(server, _id(second), token=second)[0] == 409
+    assert request(server, "GET", "/api/v1/tokens", token=second)[0] == 200
+
+
+def test_only_an_admin_lists_or_revokes_and_an_unknown_id_is_a_404(server: ServerProc) -> None:
+    user, worker = _make(server, "user"), _make(server, "worker")
+    for token, role in ((user, "user"), (worker, "worker")):
+        status, answer, _ = request(server, "GET", "/api/v1/tokens", token=token)
+        assert (status, answer) == (403, {"error": f"a {role} token cannot do this (needs: admin)"})
+        status, answer = _revoke(server, _id(user), token=token)
+        assert status == 403, answer
+    assert len(_listed(server)) == 3  # nothing was revoked
+    for unknown in ("0123456789ab", "nope", "f" * 64):
+        status, answer = _revoke(server, unknown)
+        assert status == 404, answer
+        assert answer["error"] == f"no token {unknown} on this server (see GET /api/v1/tokens)"
+    assert request(server, "GET", "/api/v1/jobs", token=user)[0] == 200
+
+
+def _gl(
+    *args: str, server: ServerProc | None, token: str | None
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("GPULAYER_SERVER", "GPULAYER_TOKEN")}
+    env["COLUMNS"] = "200"
+    where = ["--server", server.url] if server else []
+    who = ["--token", token] if token else []
+    return subprocess.run(
+        [sys.executable, "-m", "gpulayer.cli", *where, *who, "token", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def test_token_list_and_revoke_from_the_command_line(server: ServerProc) -> None:
+    made = _gl("create", "--role", "user", "--name", "[bold]bob", server=server, token=server.admin)
+    assert made.returncode == 0, made.stderr
+    bob = made.stdout.strip()
+    listed = _gl("list", server=server, token=server.admin)
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split() for line in listed.stdout.splitlines()]
+    assert rows[0] == ["ID", "ROLE", "NAME", "CREATED"]
+    assert [row[:3] for row in rows[1:]] == [
+        [_id(server.admin), "admin", "first"],  # "first admin": two words
+        [_id(bob), "user", "[bold]bob"],  # a name is shown as it is, not as markup
+    ]
+    assert time.strptime(" ".join(rows[2][3:]), "%Y-%m-%d %H:%M:%S")
+    assert bob.split("_", 2)[2] not in listed.stdout
+
+    revoked = _gl("revoke", _id(bob), server=server, token=server.admin)
+    assert (revoked.returncode, revoked.stdout) == (0, f"token {_id(bob)} revoked\n")
+    assert request(server, "GET", "/api/v1/jobs", token=bob)[0] == 401
+    assert _id(bob) not in _gl("list", server=server, token=server.admin).stdout
+
+    again = _gl("revoke", _id(bob), server=server, token=server.admin)
+    assert again.returncode == 2
+    assert f"gpulayer: error: no token {_id(bob)} on this server" in again.stderr
+    last = _gl("revoke", _id(server.admin), server=server, token=server.admin)
+    assert last.returncode == 2 and "is the last admin token" in last.stderr
+    user = _make(server, "user")
+    denied = _gl("list", server=server, token=user)
+    assert denied.returncode == 2
+    assert "a user token cannot do this (needs: admin)" in denied.stderr
+    assert user not in denied.stderr
+
+
+@pytest.mark.parametrize("args", [["list"], ["revoke", "0123456789ab"]])
+def test_token_commands_need_a_server(args: list[str]) -> None:
+    done = _gl(*args, server=None, token="glt_a_x")
+    assert done.returncode == 2
+    assert "tokens belong to a server: --server URL or GPULAYER_SERVER" in done.stderr
+
+
+# ---- in-process ----
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SqliteStore]:
+    db = SqliteStore(tmp_path / "db.sqlite")
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+def test_every_spelling_of_a_revoked_token_is_dropped_from_the_cache(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    app = create_app(ControlPlane(store, instance_id="s1"), ArtifactStore(tmp_path / "blobs"))
+    admin, user = auth.create_token(store, "admin"), auth.create_token(store, "user")
+    spellings = [f"Bearer {user}", f"bearer {user}", f"Bearer  {user} "]
+
+    async def jobs(header: str) -> int:
+        auth_header = [(b"authorization", header.encode())]
+        status, _, _ = await asgi_request(app, "GET", "/api/v1/jobs", headers=auth_header)
+        return int(status)
+
+    async def scenario() -> tuple[list[int], int, list[int]]:
+        before = [await jobs(h) for h in spellings]  # each one cached
+        path = f"/api/v1/tokens/{_id(user)}"
+        revoked, _, _ = await asgi_request(app, "DELETE", path, token=admin)
+        return before, revoked, [await jobs(h) for h in spellings]
+
+    assert asyncio.run(scenario()) == ([200, 200, 200], 204, [401, 401, 401])
+
+
+def test_the_store_keeps_the_last_token_of_a_role(store: SqliteStore) -> None:
+    store.add_token("a" * 64, "admin", "one", 1.0)
+    store.add_token("b" * 64, "admin", "two", 2.0)
+    store.add_token("c" * 64, "user", None, 3.0)
+    assert store.delete_token("c" * 64, keep_last="admin")  # the last user token: no guard
+    assert store.delete_token("a" * 64, keep_last="admin")
+    assert not store.delete_token("b" * 64, keep_last="admin")
+    assert not store.delete_token("d" * 64, keep_last="admin")  # none such
+    assert store.list_tokens() == [("b" * 64, "admin", "two", 2.0)]
+    assert store.delete_token("b" * 64)  # no guard asked for
+
+
+def test_a_new_token_never_takes_an_id_in_use(
+    store: SqliteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drawn = iter(["same", "same", "other"])
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda _n: next(drawn))
+    first, second = auth.create_token(store, "user"), auth.create_token(store, "user")
+    assert (first, second) == ("glt_u_same", "glt_u_other")  # "same" again was drawn anew
+    assert sorted(t.id for t in auth.list_tokens(store)) == sorted([_id(first), _id(second)])
+
+
+def test_the_document_describes_both_routes() -> None:
+    paths = document()["paths"]
+    listing = paths["/api/v1/tokens"]["get"]["responses"]["200"]["content"]["application/json"]
+    assert listing["schema"]["type"] == "array"
+    revoke = paths["/api/v1/tokens/{token_id}"]["delete"]
+    assert revoke["parameters"][0]["schema"]["pattern"] == "^[0-9a-f]{12}$"
+    assert "204" in revoke["responses"] and "409" in revoke["responses"]
