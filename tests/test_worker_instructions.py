@@ -377,3 +377,31 @@ def test_an_outbox_told_the_server_is_back_retries_at_once() -> None:
         assert outbox.flush(timeout=1.0), "it waited out its back-off"
     finally:
         outbox.stop()
+
+
+class _Garbled(InProcessTransport):
+    """The first long poll's reply cannot be read (a bug, a proxy's page)."""
+
+    def __init__(self, embedded: Embedded) -> None:
+        super().__init__(embedded.plane, embedded.artifacts)
+        self.garbled = 0
+
+    def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
+        if not self.garbled:
+            self.garbled += 1
+            raise ValueError("not JSON")
+        return super().acquire(worker_id, timeout)
+
+
+def test_a_long_poll_reply_it_cannot_read_does_not_end_the_worker(home: Path) -> None:
+    embedded = Embedded(home)
+    transport = _Garbled(embedded)
+    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
+    try:
+        worker.start()
+        job = transport.submit(parse_spec({"command": [PY, "-c", "pass"]}))
+        assert embedded.plane.wait(job.id, timeout=30).state == "succeeded"
+        assert transport.garbled == 1 and worker.gave_up is None
+    finally:
+        worker.stop(timeout=30)
+        embedded.close()

@@ -534,6 +534,7 @@ def worker_start(
         raise click.UsageError("a worker needs a server: --server URL or GPULAYER_SERVER")
     home = resolve_home(ctx.obj["home"])
     transport = HttpTransport(url, token=ctx.obj["token"], ca_file=ctx.obj["ca_file"])
+    stop = threading.Event()
     node = Worker(
         transport,
         cache=ArtifactStore(Path(cache) if cache else home / "worker-cache"),
@@ -544,8 +545,8 @@ def worker_start(
         heartbeat_interval=defaults.HEARTBEAT_INTERVAL_S,
         address=advertise or transport.local_address(),
         ledger=True,
+        on_give_up=stop.set,
     )
-    stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     node.start()
@@ -553,8 +554,11 @@ def worker_start(
         f"gpulayer: worker {node.id} ({len(node.info.slot_gpus)} slots) serving {url}", err=True
     )
     stop.wait()
-    click.echo(f"gpulayer: worker {node.id} stopping", err=True)
+    why = f": {node.gave_up}" if node.gave_up else ""
+    click.echo(f"gpulayer: worker {node.id} stopping{why}", err=True)
     node.stop(timeout=30)
+    if node.gave_up:
+        ctx.exit(1)
 
 
 @main.group()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +149,28 @@ class ServerProc:
                 proc.stderr.close()
         if self.proc is not None and self.proc.poll() is None:
             self.kill(signal.SIGTERM)
+
+
+def said(proc: subprocess.Popen[str], text: str, timeout: float = 60.0) -> str:
+    """The first line of ``proc``'s stderr containing ``text``; fails after
+    ``timeout`` s rather than wait on a process that never says it."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if text in line:
+                lines.put(line)
+                return
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        line = lines.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"nothing said {text!r} in {timeout} s") from None
+    assert line is not None, f"it ended without saying {text!r}"
+    return line
 
 
 @pytest.fixture

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,7 +15,7 @@ from typing import Any
 import pytest
 
 import gpulayer
-from server.conftest import ServerProc, free_port
+from server.conftest import ServerProc, free_port, said
 
 from helpers import PY, pids_alive, run_2x2_allreduce
 
@@ -27,28 +25,6 @@ def follow_until(job: gpulayer.Job, prefix: str) -> str:
         if line.text.startswith(prefix):
             return line.text
     raise AssertionError(f"no line starting {prefix!r}: {job.logs()}")
-
-
-def said(proc: subprocess.Popen[str], text: str, timeout: float = 60.0) -> str:
-    """The first line of ``proc``'s stderr containing ``text``; fails after
-    ``timeout`` s rather than wait on a process that never says it."""
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            if text in line:
-                lines.put(line)
-                return
-        lines.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        line = lines.get(timeout=timeout)
-    except queue.Empty:
-        raise AssertionError(f"nothing said {text!r} in {timeout} s") from None
-    assert line is not None, f"it ended without saying {text!r}"
-    return line
 
 
 def request(

@@ -23,10 +23,10 @@ from gpulayer.http.openapi import document
 from gpulayer.service import ControlPlane
 from gpulayer.store.sqlite import SqliteStore
 from gpulayer.transport.http import HttpTransport
-from server.conftest import ServerProc, free_port
+from server.conftest import ServerProc, free_port, said
 from server.rawhttp import asgi_request, request
 
-from helpers import PY
+from helpers import PY, pids_alive
 
 REVOKED = {"error": "the token is not valid on this server"}
 _WORKER = {"worker": {"id": "", "name": "w", "host": "h", "slot_gpus": [None]}}
@@ -117,15 +117,20 @@ def test_a_worker_whose_token_is_revoked_is_lost_with_its_job(tmp_path: Path) ->
     srv.start()
     try:
         box = _make(srv, "worker", "box")
-        srv.start_worker(tmp_path / "w1", token=box)
+        worker = srv.start_worker(tmp_path / "w1", token=box)
         with srv.client() as client:
-            code = "import time; print('on', flush=True); time.sleep(60)"
+            code = "import os, time; print('on', os.getpid(), flush=True); time.sleep(60)"
             job = client.submit(command=[PY, "-c", code], max_retries=0)
-            assert next(line.text for line in job.stream_logs()) == "on"
+            on, pid = next(line.text for line in job.stream_logs()).split()
+            assert on == "on"
             assert _revoke(srv, _id(box)) == (204, {})
             # Its heartbeats are refused from now on: the server gives it up.
             assert job.wait(timeout=30) == "lost"
             assert "stopped heartbeating" in str(job.info.reason)
+        # The worker says why it cannot go on, ends its task and exits.
+        said(worker, "stopping: the server refused this worker's token")
+        assert worker.wait(timeout=30) == 1
+        assert pids_alive(int(pid)) == []
     finally:
         srv.stop()
 

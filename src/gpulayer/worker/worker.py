@@ -21,11 +21,18 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .. import defaults
 from ..artifacts import ArtifactStore
-from ..errors import GPUlayerError, InvalidStateError, ServerUnreachable, WorkerError
+from ..errors import (
+    AccessDenied,
+    GPUlayerError,
+    InvalidStateError,
+    ServerUnreachable,
+    WorkerError,
+)
 from ..jobs import CancelTask, Instruction, Rendezvous, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
 from .gpus import Gpu, detect_gpus
@@ -61,6 +68,7 @@ class Worker:
         heartbeat_interval: float | None = None,
         address: str | None = None,
         ledger: bool = False,
+        on_give_up: Callable[[], None] | None = None,
     ) -> None:
         if slots is not None and slots < 1:
             raise WorkerError(f"a worker needs at least one slot, got slots={slots}")
@@ -95,6 +103,10 @@ class Worker:
         self._tasks_lock = threading.Lock()
         self._idle = threading.Condition(self._tasks_lock)
         self._stopping = threading.Event()
+        # Why the worker cannot go on (the server refused its token), once it
+        # cannot; ``on_give_up`` is told then (the CLI stops the worker).
+        self.gave_up: str | None = None
+        self._on_give_up = on_give_up
         self._logs = LogSender(transport.append_logs)
         self._outbox = Outbox()
         # Remote workers heartbeat; one in the control plane's own process
@@ -196,8 +208,28 @@ class Worker:
                     return
                 backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
                 continue
+            except AccessDenied as exc:
+                self._give_up(f"the server refused this worker's token: {exc}")
+                return
+            except Exception:  # a reply it could not read, say: not the end of the worker
+                log.exception("worker %s: asking for work failed", self.info.id)
+                if self._stopping.wait(backoff):
+                    return
+                backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
+                continue
             backoff = 0.05
             self._handle(instructions)
+
+    def _give_up(self, why: str) -> None:
+        """The worker cannot go on (its token was revoked, say): say why, once,
+        and tell whoever runs it."""
+        with self._tasks_lock:
+            if self.gave_up is not None:
+                return
+            self.gave_up = why
+        log.error("worker %s: %s", self.info.id, why)
+        if self._on_give_up is not None:
+            self._on_give_up()
 
     def _handle(self, instructions: list[Instruction]) -> None:
         """Act on instructions from a long poll, or from a finished report's reply.
@@ -291,6 +323,9 @@ class Worker:
                 self.transport.heartbeat(self.info.id)
             except (InvalidStateError, ServerUnreachable):
                 pass  # reconnecting and registering again are the acquire loop's job
+            except AccessDenied as exc:  # said here too: the long poll may be open for a while
+                self._give_up(f"the server refused this worker's token: {exc}")
+                return
             except Exception:
                 log.exception("worker %s: heartbeat failed", self.info.id)
 
@@ -393,7 +428,7 @@ class Worker:
         self._outbox.stop()
         # If the server is away, it declares us lost when our heartbeats stop.
         # After any registration the acquire loop has under way, not before it.
-        with self._registering, contextlib.suppress(ServerUnreachable, InvalidStateError):
+        with self._registering, contextlib.suppress(GPUlayerError):
             self.transport.unregister_worker(self.info.id)
         if all_ended:
             shutil.rmtree(self.tasks_dir, ignore_errors=True)
