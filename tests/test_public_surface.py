@@ -10,6 +10,7 @@ import gpulayer
 EXPECTED = {
     "AccessDenied",
     "ServerUnreachable",
+    "UntrustedServer",
     "TransportError",
     "ArtifactError",
     "BundleError",

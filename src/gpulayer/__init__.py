@@ -18,6 +18,7 @@ from .errors import (
     StoreError,
     TransportError,
     UnsafePathError,
+    UntrustedServer,
     WaitTimeout,
     WorkerError,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "StoreError",
     "TransportError",
     "UnsafePathError",
+    "UntrustedServer",
     "WaitTimeout",
     "WorkerError",
     "WorkerInfo",

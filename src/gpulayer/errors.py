@@ -76,5 +76,11 @@ class ServerUnreachable(TransportError, ConnectionError):
     """The server did not answer: it may be down or restarting. Safe to retry."""
 
 
+class UntrustedServer(ServerUnreachable):
+    """The server's TLS certificate is not one this side trusts (no CA file,
+    the wrong one, or a certificate for another name). Nothing was sent;
+    trying again changes nothing until the certificate or the CA file does."""
+
+
 class AccessDenied(TransportError, PermissionError):
     """The server refused the token (missing, unknown, or not allowed to do this)."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer.errors import ServerUnreachable
+from gpulayer.errors import ServerUnreachable, UntrustedServer
 from gpulayer.spec import JobSpec
 from gpulayer.transport.http import HttpTransport
 from server.conftest import ServerProc, free_port
@@ -154,12 +154,41 @@ def test_plain_http_gets_no_answer(tls_server: TlsServer) -> None:
 
 
 def test_transport_without_the_ca_is_refused(tls_server: TlsServer) -> None:
-    transport = HttpTransport(tls_server.url, token=tls_server.admin, retries=1)
+    transport = HttpTransport(tls_server.url, token=tls_server.admin)
     try:
-        with pytest.raises(ServerUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
+        with pytest.raises(UntrustedServer, match="CERTIFICATE_VERIFY_FAILED") as refused:
             transport.list_jobs()
+        assert "--ca-file" in str(refused.value)  # it says what to do
     finally:
         transport.close()
+
+
+def test_a_worker_that_does_not_trust_the_server_says_so_and_exits(
+    tls_server: TlsServer, tmp_path: Path
+) -> None:
+    env = {**os.environ, "GPULAYER_TOKEN": tls_server.admin}
+    env.pop("SSL_CERT_FILE", None)
+    env.pop("GPULAYER_CA_FILE", None)
+    started = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpulayer.cli",
+            "--home",
+            str(tmp_path / "w"),
+            "--server",
+            tls_server.url,
+            "worker",
+            "start",
+        ],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert started.returncode != 0
+    assert "does not trust" in started.stderr and "--ca-file" in started.stderr
 
 
 def test_submit_list_and_run_over_tls(

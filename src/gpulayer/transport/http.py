@@ -39,6 +39,7 @@ from ..errors import (
     ServerUnreachable,
     SpecError,
     TransportError,
+    UntrustedServer,
 )
 from ..http.schemas import TokenInfo
 from ..ids import new_id
@@ -210,6 +211,13 @@ class HttpTransport(Transport):
                 conn.close()  # a half-used keep-alive connection cannot be trusted
                 if not isinstance(exc, OSError):  # ProtocolError is one
                     raise
+                if isinstance(exc, ssl.SSLCertVerificationError):  # the same on every try
+                    raise UntrustedServer(
+                        f"the GPUlayer server at {self.url} sent a certificate this side "
+                        f"does not trust ({exc.reason}: {exc.verify_message}); give the "
+                        "certificate of the authority that signed it: --ca-file, "
+                        "GPULAYER_CA_FILE, or Client(ca_file=...)"
+                    ) from None
                 if reused and isinstance(exc, _CLOSED_UNDER_US):
                     continue  # the server closed it while idle: a new one, not a retry
                 attempt += 1

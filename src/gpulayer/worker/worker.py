@@ -31,6 +31,7 @@ from ..errors import (
     GPUlayerError,
     InvalidStateError,
     ServerUnreachable,
+    UntrustedServer,
     WorkerError,
 )
 from ..jobs import CancelTask, Instruction, Rendezvous, RunTask, TaskResult, WorkerInfo
@@ -192,6 +193,7 @@ class Worker:
 
     def _loop(self) -> None:
         backoff = 0.05
+        untrusted = False  # said once per spell, not on every try
         while not self._stopping.is_set():
             try:
                 instructions = self.transport.acquire(self.info.id, defaults.ACQUIRE_TIMEOUT_S)
@@ -203,7 +205,12 @@ class Worker:
                         return
                     backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
                 continue
-            except ServerUnreachable:
+            except ServerUnreachable as exc:
+                if isinstance(exc, UntrustedServer) and not untrusted:
+                    # Its certificate changed: an operator must act. Until
+                    # then the worker keeps its reports and tries again.
+                    log.error("worker %s: %s", self.info.id, exc)
+                    untrusted = True
                 if self._stopping.wait(backoff):
                     return
                 backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
@@ -217,7 +224,7 @@ class Worker:
                     return
                 backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
                 continue
-            backoff = 0.05
+            backoff, untrusted = 0.05, False
             self._handle(instructions)
 
     def _give_up(self, why: str) -> None:
