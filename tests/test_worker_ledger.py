@@ -194,3 +194,149 @@ def test_a_result_kept_while_the_server_was_away_is_delivered_by_the_next_worker
         if second is not None:
             second.stop(timeout=5)
         embedded.close()
+
+
+class _BackForTheGoodbye(_Away):
+    """The server is away while the task ends and while the stopping worker's
+    outbox tries, and is back by the time the worker says goodbye (it came
+    back during the outbox's back-off, after its last try)."""
+
+    def unregister_worker(self, worker_id: str) -> None:
+        self.away.clear()
+        super().unregister_worker(worker_id)
+
+
+def test_a_goodbye_heard_while_a_result_is_kept_does_not_lose_the_job(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that stops with a result still kept must not unregister past
+    it: the server would take the task for lost, and the result the next
+    worker delivers would come too late."""
+    monkeypatch.setattr(worker_module, "_OUTBOX_STOP_S", 0.2)
+    embedded = Embedded(home)
+    work = home / "ledger-workers"
+    transport = _BackForTheGoodbye(embedded)
+    first = Worker(transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True)
+    second = None
+    try:
+        first.start()
+        transport.away.set()
+        job = transport.submit(parse_spec({"command": [PY, "-c", "raise SystemExit(7)"]}))
+        assert transport.refused.wait(60)
+        first.stop(timeout=0.5)  # the outbox gives up; the goodbye is heard
+        (kept,) = (work / "live").glob("*/results/*")  # the result is still on disk
+        assert kept.name == f"{job.id}-1-0"
+        after_stop = embedded.plane.get(job.id)
+
+        transport.away.clear()  # the server is back (it was for the goodbye already)
+        second = Worker(transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True)
+        second.start()  # delivers the kept result
+        final = embedded.plane.wait(job.id, timeout=30)
+        assert (after_stop.state, final.state, final.exit_code, final.attempt) == (
+            "running",
+            "failed",
+            7,
+            1,
+        ), final.reason
+    finally:
+        if second is not None:
+            second.stop(timeout=5)
+        embedded.close()
+
+
+class _Answers:
+    """An HTTP server that answers every request with ``status`` (a proxy
+    in front of a server that is down: 502/504; a token it does not take:
+    401/403), counting the requests for finished reports."""
+
+    def __init__(self, status: int) -> None:
+        import http.server
+
+        answers = self
+        self.finished = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                if self.path.startswith("/api/v1/tasks/finished"):
+                    answers.finished += 1
+                body = b'{"error": "no"}'
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_DELETE = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("status", [401, 403, 502, 504])
+def test_a_next_worker_that_cannot_start_keeps_the_results_it_could_not_deliver(
+    tmp_path: Path, status: int
+) -> None:
+    """The next worker's start fails (its registration is answered ``status``
+    as its reports were): the results the dead one kept must still be kept,
+    for the try that follows (the right token, the server behind the proxy
+    back). Only a refusal of the result itself may drop it."""
+    from gpulayer.artifacts import ArtifactStore
+    from gpulayer.errors import TransportError
+    from gpulayer.transport.http import HttpTransport
+
+    work = tmp_path / "workers"
+    dead = Ledger(work)
+    dead.set_worker_id("1m8deadworker0")
+    result = _result("1m8job00000001")
+    dead.keep(result)
+    os.close(dead._fd)  # its process dies
+    server = _Answers(status)
+    heir = Worker(
+        HttpTransport(server.url, token="t", retries=1),
+        cache=ArtifactStore(tmp_path / "cache"),
+        work_dir=work,
+        slots=1,
+        ledger=True,
+    )
+    try:
+        with pytest.raises(TransportError):
+            heir.start()
+        assert server.finished == 1  # it tried to deliver it
+        kept = [p.name for p in (work / "live").glob("*/results/*")]
+        assert kept == [f"{result.job_id}-1-0"]
+    finally:
+        server.close()
+        if heir._ledger is not None:
+            os.close(heir._ledger._fd)
+
+
+def test_a_kept_result_that_cannot_be_read_back_is_dropped(tmp_path: Path) -> None:
+    """Cut short, or not the result its name says: never delivered, and not
+    left to keep the ledger from being tidied away."""
+    ledger = Ledger(tmp_path)
+    good, other = _result("1m8job00000001"), _result("1m8job00000002")
+    ledger.keep(good)
+    ledger.keep(other)
+    kept = ledger.dir / "results"
+    assert {(p.name, p.stat().st_mode & 0o777) for p in kept.iterdir()} == {
+        ("1m8job00000001-1-0", 0o600),  # private: it carries the task's stderr
+        ("1m8job00000002-1-0", 0o600),
+    }
+    (kept / "1m8job00000002-1-0").write_bytes((kept / "1m8job00000001-1-0").read_bytes())
+    assert ledger.kept() == [good]
+    (kept / "1m8job00000001-1-0").write_bytes(b'{"job_id": "1m8')  # cut short
+    assert ledger.kept() == []
+    assert list(kept.iterdir()) == [] and not ledger.holds_results()
+    ledger.close()
+    assert not ledger.dir.exists()

@@ -272,7 +272,9 @@ class HttpTransport(Transport):
             error = SpecError(str(data["field"]), "")
             error.args = (message,)
             return error
-        if status == 503:  # it could not do it now, and changed nothing: send it again later
+        if status in (502, 503, 504):
+            # It could not do it now (503), or a proxy in front of it could
+            # not reach it (502, 504): send it again later.
             return ServerUnreachable(f"the server is unavailable ({status}): {message}")
         if status >= 500:
             return TransportError(f"the server failed ({status}): {message}")

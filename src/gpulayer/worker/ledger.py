@@ -89,9 +89,12 @@ class Ledger:
                         ended += kill_orphans(pid, created, grace=grace)
                 if ended:
                     log.warning("ended %d process tree(s) a dead worker left running", ended)
-                for result in sorted((other / "results").glob("[!.]*")):
+                moved = sorted((other / "results").glob("[!.]*"))
+                for result in moved:
                     os.replace(result, self._results / result.name)
                     self._kept.add(result.name)
+                if moved:
+                    _sync_dir(self._results)
                 worker_id = ""
                 with contextlib.suppress(OSError):
                     worker_id = (other / "worker-id").read_text().strip()
@@ -111,11 +114,13 @@ class Ledger:
         """Write ``result`` down until :meth:`drop`: it waits for the server."""
         name = _result_name(result)
         temporary = self._results / f".{name}"
-        with open(temporary, "wb") as file:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with open(fd, "wb") as file:  # private: a result carries the task's last stderr lines
             file.write(msgspec.json.encode(result))
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, self._results / name)
+        _sync_dir(self._results)  # the rename too survives a power cut
         with self._lock:
             self._kept.add(name)
         log.warning(
@@ -141,15 +146,17 @@ class Ledger:
         found = []
         for name in names:
             try:
-                found.append(
-                    msgspec.json.decode((self._results / name).read_bytes(), type=TaskResult)
-                )
+                result = msgspec.json.decode((self._results / name).read_bytes(), type=TaskResult)
+                if _result_name(result) == name:
+                    found.append(result)
+                    continue
             except (OSError, msgspec.DecodeError):  # cut short by a full disk, say
-                log.warning("a kept result (%s) could not be read; dropping it", name)
-                with self._lock:
-                    self._kept.discard(name)
-                with contextlib.suppress(OSError):
-                    os.unlink(self._results / name)
+                pass
+            log.warning("a kept result (%s) could not be read; dropping it", name)
+            with self._lock:
+                self._kept.discard(name)
+            with contextlib.suppress(OSError):
+                os.unlink(self._results / name)
         return found
 
     def record(self, key: str, procs: list[tuple[int, float]]) -> None:
@@ -174,6 +181,10 @@ class Ledger:
         self._made += 1
         name = f"{self._tasks}{self._made}"
         return _Record(os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+
+    def holds_results(self) -> bool:
+        with self._lock:
+            return bool(self._kept)
 
     def close(self) -> None:
         """The worker stops with its tasks ended. Unless it holds results the
@@ -201,6 +212,14 @@ class _Record:
         # One write at offset 0: a reader sees the old record or the new one.
         self.size = max(self.size, len(text))
         os.pwrite(self.fd, text.ljust(self.size), 0)
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _result_name(result: TaskResult) -> str:

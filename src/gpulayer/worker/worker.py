@@ -137,7 +137,7 @@ class Worker:
         return self.info.id
 
     def start(self) -> None:
-        adopted = False
+        adopted, delivered = False, True
         if self._ledger is not None:
             previous = self._ledger.recover(grace=self.kill_grace)
             if previous and not self.info.id:
@@ -147,10 +147,12 @@ class Worker:
                 # Should this process die before it registers, the next one
                 # adopts the id in turn.
                 self._ledger.set_worker_id(previous)
-            self._deliver_kept(self._ledger)
+            delivered = self._deliver_kept(self._ledger)
         self.info = self.transport.register_worker(self.info, adopted=adopted)
         if self._ledger is not None:
             self._ledger.set_worker_id(self.info.id)
+            if not delivered:  # refused with a token the server has now taken
+                self._deliver_kept(self._ledger, last_try=True)
         self._interface = interface_of(self.info.address)
         self.tasks_dir = self.work_dir / self.info.id
         self._spares = [make_spare(self._new_dir()) for _ in self.info.slot_gpus[:4]]
@@ -166,30 +168,45 @@ class Worker:
                 daemon=True,
             ).start()
 
-    def _deliver_kept(self, ledger: Ledger) -> None:
-        """Results a dead worker process kept (the server was away when its
-        tasks ended) go before registering: after it, the server takes those
-        tasks for lost. Raises ServerUnreachable as registering would; they
-        stay kept for the next try."""
+    def _deliver_kept(self, ledger: Ledger, *, last_try: bool = False) -> bool:
+        """Deliver the results a worker process kept on disk (the server was
+        away when their tasks ended). Before registering: after it, the server
+        takes those tasks for lost.
+
+        Raises ServerUnreachable, with them still kept, while the server is
+        away. A token the server refuses (AccessDenied) stops the delivery,
+        and False is returned with them still kept, unless ``last_try``
+        (the worker has registered since, so its token is good: what is still
+        refused is not its to deliver). Any other refusal is of the result
+        itself, which is then dropped."""
         for result in ledger.kept():
             try:
                 self.transport.task_finished(result, take=False)
             except ServerUnreachable:
                 raise
+            except AccessDenied as exc:
+                if not last_try:
+                    return False
+                self._refused_kept(result, exc)
             except GPUlayerError as exc:
-                log.warning(
-                    "a kept result of job %s (attempt %d) was refused: %s",
-                    result.job_id,
-                    result.attempt,
-                    exc,
-                )
+                self._refused_kept(result, exc)
             else:
                 log.warning(
-                    "delivered the result of job %s (attempt %d) a stopped worker kept",
+                    "delivered the kept result of job %s (attempt %d)",
                     result.job_id,
                     result.attempt,
                 )
             ledger.drop(result)
+        return True
+
+    @staticmethod
+    def _refused_kept(result: TaskResult, exc: Exception) -> None:
+        log.warning(
+            "a kept result of job %s (attempt %d) was refused: %s",
+            result.job_id,
+            result.attempt,
+            exc,
+        )
 
     def _loop(self) -> None:
         backoff = 0.05
@@ -433,10 +450,19 @@ class Worker:
                 self._outbox.pending(),
             )
         self._outbox.stop()
+        # Results still kept go now if the server is back. If not, no goodbye:
+        # the server would take their tasks for lost, and the next worker on
+        # this home would deliver them too late.
+        goodbye = True
+        if self._ledger is not None:
+            with contextlib.suppress(ServerUnreachable):
+                goodbye = self._deliver_kept(self._ledger)
+            goodbye = goodbye and not self._ledger.holds_results()
         # If the server is away, it declares us lost when our heartbeats stop.
         # After any registration the acquire loop has under way, not before it.
-        with self._registering, contextlib.suppress(GPUlayerError):
-            self.transport.unregister_worker(self.info.id)
+        if goodbye:
+            with self._registering, contextlib.suppress(GPUlayerError):
+                self.transport.unregister_worker(self.info.id)
         if all_ended:
             shutil.rmtree(self.tasks_dir, ignore_errors=True)
             if self._ledger is not None:
