@@ -151,6 +151,23 @@ class ServerProc:
             self.kill(signal.SIGTERM)
 
 
+def worker_start_refused(
+    home: Path, url: str, env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
+    """`gpulayer worker start` that must fail to start (or it serves for ever)."""
+    argv = [sys.executable, "-m", "gpulayer.cli", "--home", str(home), "--server", url]
+    done = subprocess.run(
+        [*argv, "worker", "start"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0, done.stderr
+    return done
+
+
 def said(proc: subprocess.Popen[str], text: str, timeout: float = 60.0) -> str:
     """The first line of ``proc``'s stderr containing ``text``; fails after
     ``timeout`` s rather than wait on a process that never says it."""

@@ -26,7 +26,7 @@ import pytest
 from gpulayer.errors import ServerUnreachable, UntrustedServer
 from gpulayer.spec import JobSpec
 from gpulayer.transport.http import HttpTransport
-from server.conftest import ServerProc, free_port
+from server.conftest import ServerProc, free_port, worker_start_refused
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
@@ -169,25 +169,7 @@ def test_a_worker_that_does_not_trust_the_server_says_so_and_exits(
     env = {**os.environ, "GPULAYER_TOKEN": tls_server.admin}
     env.pop("SSL_CERT_FILE", None)
     env.pop("GPULAYER_CA_FILE", None)
-    started = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gpulayer.cli",
-            "--home",
-            str(tmp_path / "w"),
-            "--server",
-            tls_server.url,
-            "worker",
-            "start",
-        ],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert started.returncode != 0
+    started = worker_start_refused(tmp_path / "w", tls_server.url, env)
     assert "does not trust" in started.stderr and "--ca-file" in started.stderr
 
 
