@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpulayer.embedded import Embedded
-from gpulayer.errors import InvalidStateError, ServerUnreachable
+from gpulayer.errors import AccessDenied, InvalidStateError, ServerUnreachable
 from gpulayer.jobs import CancelTask, Instruction, RunTask, TaskResult, WorkerInfo
 from gpulayer.spec import parse_spec
 from gpulayer.transport.http import _Received
@@ -404,4 +404,89 @@ def test_a_long_poll_reply_it_cannot_read_does_not_end_the_worker(home: Path) ->
         assert transport.garbled == 1 and worker.gave_up is None
     finally:
         worker.stop(timeout=30)
+        embedded.close()
+
+
+class _ForgotThenRefusesRegistration(InProcessTransport):
+    """The server restarted (the long poll says it does not know the worker);
+    the registration that follows fails once with ``error``, then works."""
+
+    def __init__(self, embedded: Embedded, error: Exception) -> None:
+        super().__init__(embedded.plane, embedded.artifacts)
+        self.error = error
+        self.registrations = 0
+        self.forgot = True
+        self.registered_again = threading.Event()
+
+    def register_worker(
+        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = (), *, adopted: bool = False
+    ) -> WorkerInfo:
+        self.registrations += 1
+        if self.registrations == 2:  # the first registration after the "restart"
+            raise self.error
+        if self.registrations >= 3:
+            self.forgot = False
+            self.registered_again.set()
+        return super().register_worker(info, running, adopted=adopted)
+
+    def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
+        if self.forgot:
+            raise InvalidStateError(f"worker {worker_id} is not registered")
+        return super().acquire(worker_id, min(timeout, 0.2))
+
+
+def test_a_registration_again_whose_reply_it_cannot_read_is_tried_again(home: Path) -> None:
+    """A long poll answered 409 leads to registering again; a reply to that it
+    cannot read (a proxy's page) must not end the acquire thread, or the worker
+    serves nothing again while its heartbeats keep it quiet."""
+    embedded = Embedded(home)
+    transport = _ForgotThenRefusesRegistration(embedded, ValueError("not JSON"))
+    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
+    try:
+        worker.start()
+        assert transport.registered_again.wait(15)
+        assert worker.gave_up is None
+    finally:
+        worker.stop(timeout=10)
+        embedded.close()
+
+
+def test_a_registration_again_refused_for_its_token_gives_up(home: Path) -> None:
+    embedded = Embedded(home)
+    refused = AccessDenied("the token is not valid on this server")
+    transport = _ForgotThenRefusesRegistration(embedded, refused)
+    told = threading.Event()
+    worker = Worker(
+        transport, cache=embedded.artifacts, work_dir=home / "w", slots=1, on_give_up=told.set
+    )
+    try:
+        worker.start()
+        assert told.wait(15)
+        assert worker.gave_up == f"the server refused this worker's token: {refused}"
+    finally:
+        worker.stop(timeout=10)
+        embedded.close()
+
+
+class _LogsRefused(InProcessTransport):
+    """Every log batch is refused (a 401 for a revoked token, say)."""
+
+    def append_logs(self, *args: object, **kwargs: object) -> None:
+        raise AccessDenied("the token is not valid on this server")
+
+
+def test_a_task_whose_last_log_lines_are_refused_still_reports_its_end(home: Path) -> None:
+    """Its last lines go before its result; refused, they must not keep the
+    result from going, or the worker from letting the task go."""
+    embedded = Embedded(home)
+    transport = _LogsRefused(embedded.plane, embedded.artifacts)
+    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
+    try:
+        worker.start()
+        job = transport.submit(parse_spec({"command": [PY, "-c", "print('hello')"]}))
+        assert embedded.plane.wait(job.id, timeout=20).state == "succeeded"
+        with worker._tasks_lock:
+            assert worker._idle.wait_for(lambda: not worker._tasks, timeout=30)
+    finally:
+        worker.stop(timeout=5)
         embedded.close()

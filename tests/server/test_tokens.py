@@ -23,7 +23,7 @@ from gpulayer.http.openapi import document
 from gpulayer.service import ControlPlane
 from gpulayer.store.sqlite import SqliteStore
 from gpulayer.transport.http import HttpTransport
-from server.conftest import ServerProc, free_port, said
+from server.conftest import ServerProc, said
 from server.rawhttp import asgi_request, request
 
 from helpers import PY, pids_alive
@@ -93,10 +93,10 @@ def test_a_revoked_user_token_is_refused_from_its_next_request(server: ServerPro
     assert [t["name"] for t in _listed(server)] == ["first admin", "bob"]
 
 
-def test_a_revoked_worker_token_is_refused_and_its_workers_stay_bound(
-    server: ServerProc,
-) -> None:
-    mine, other = _make(server, "worker"), _make(server, "worker")
+def test_a_revoked_worker_token_is_refused_and_its_workers_go(server: ServerProc) -> None:
+    """Its workers can no longer be heard: they are removed at once, so
+    nothing more is placed on them (a job stays queued, not lost unrun)."""
+    mine = _make(server, "worker")
     status, registered, _ = request(server, "POST", "/api/v1/workers", _WORKER, token=mine)
     assert status == 201, registered
     beat = f"/api/v1/workers/{registered['id']}/heartbeat"
@@ -106,33 +106,42 @@ def test_a_revoked_worker_token_is_refused_and_its_workers_stay_bound(
     acquire = f"/api/v1/workers/{registered['id']}/acquire?timeout=0"
     assert request(server, "POST", acquire, token=mine)[:2] == (401, REVOKED)
     assert request(server, "POST", "/api/v1/workers", _WORKER, token=mine)[:2] == (401, REVOKED)
-    # Its worker is bound to it still: revoking grants no other worker token anything.
-    status, answer, _ = request(server, "POST", beat, {"running": []}, token=other)
-    assert status == 403 and "registered with another token" in answer["error"], answer
-    assert request(server, "POST", beat, {"running": []})[0] == 204  # an admin acts for any
+    with server.client() as client:
+        assert client.workers() == []
+        job = client.submit(command=[PY, "-c", "pass"], max_retries=0)
+        assert job.info.state == "queued", job.info.reason
 
 
-def test_a_worker_whose_token_is_revoked_is_lost_with_its_job(tmp_path: Path) -> None:
-    srv = ServerProc(tmp_path / "home", free_port(), heartbeat_timeout=1.0)
-    srv.start()
-    try:
-        box = _make(srv, "worker", "box")
-        worker = srv.start_worker(tmp_path / "w1", token=box)
-        with srv.client() as client:
-            code = "import os, time; print('on', os.getpid(), flush=True); time.sleep(60)"
-            job = client.submit(command=[PY, "-c", code], max_retries=0)
-            on, pid = next(line.text for line in job.stream_logs()).split()
-            assert on == "on"
-            assert _revoke(srv, _id(box)) == (204, {})
-            # Its heartbeats are refused from now on: the server gives it up.
-            assert job.wait(timeout=30) == "lost"
-            assert "stopped heartbeating" in str(job.info.reason)
-        # The worker says why it cannot go on, ends its task and exits.
+def test_a_worker_whose_token_is_revoked_exits_and_comes_back_with_a_new_one(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    """Its job ends at once; the worker says why it cannot go on, ends its
+    task (still printing, its last lines refused too) and exits, leaving its
+    home clean; started again there with a new token, it serves."""
+    box = _make(server, "worker", "box")
+    home = tmp_path / "w1"
+    worker = server.start_worker(home, token=box)
+    with server.client() as client:
+        code = (
+            "import os, time\n"
+            "print('on', os.getpid(), flush=True)\n"
+            "while True:\n"
+            "    print('tick', flush=True)\n"
+            "    time.sleep(0.05)\n"
+        )
+        job = client.submit(command=[PY, "-c", code], max_retries=0)
+        on, pid = next(line.text for line in job.stream_logs()).split()
+        assert on == "on"
+        assert _revoke(server, _id(box)) == (204, {})
+        assert job.wait(timeout=30) == "lost"
+        assert job.info.reason == "its worker's token was revoked"
         said(worker, "stopping: the server refused this worker's token")
-        assert worker.wait(timeout=30) == 1
+        assert worker.wait(timeout=60) == 1
         assert pids_alive(int(pid)) == []
-    finally:
-        srv.stop()
+        assert list((home / "workers" / "live").iterdir()) == []  # it left cleanly
+        server.start_worker(home, token=_make(server, "worker", "box again"))
+        again = client.submit(command=[PY, "-c", "print('back')"])
+        assert again.wait(timeout=60) == "succeeded"
 
 
 def test_the_last_admin_token_cannot_be_revoked(server: ServerProc) -> None:

@@ -582,6 +582,20 @@ class Api:
         # hashing every cached header (one token may be sent in several
         # spellings); emptying it costs each token in use one store read.
         self._roles.clear()
+        # The workers it registered can no longer be heard: they go now, so
+        # nothing more is placed on them and their tasks are retried or end,
+        # and their ids are free for the worker started again with a valid
+        # token (the next one on a home adopts the id, see ledger.py).
+        for worker_id, header in list(self._owners.items()):
+            if auth.digest_of(header) != hashed:
+                continue
+            del self._owners[worker_id]
+            try:
+                self.plane.unregister_worker(worker_id, "its worker's token was revoked")
+            except StoreError:  # the token is gone all the same: the reaper ends the worker
+                log.warning(
+                    "worker %s of revoked token %s stays until it is reaped", worker_id, token_id
+                )
         log.info("token %s (%s) revoked", token_id, role)
         return Response(status=204)
 

@@ -67,14 +67,22 @@ def find_token(store: Store, token_id: str) -> tuple[str, str] | None:
     return None
 
 
+def digest_of(authorization: str) -> str | None:
+    """The sha256 of the token in an ``Authorization: Bearer ...`` header."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return digest(token.strip())
+
+
 def role_of(store: Store, authorization: str | None) -> str:
     """The role behind an ``Authorization: Bearer ...`` header, or AuthError(401)."""
     if not authorization:
         raise AuthError(401, "this endpoint needs a token: send 'Authorization: Bearer <token>'")
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    hashed = digest_of(authorization)
+    if hashed is None:
         raise AuthError(401, "the Authorization header must be 'Bearer <token>'")
-    role = store.token_role(digest(token.strip()))
+    role = store.token_role(hashed)
     if role is None:
         raise AuthError(401, "the token is not valid on this server")  # never echo the token
     return role

@@ -264,8 +264,6 @@ class TaskRun:
             self.logs.close_task(tasklog)
         except Exception:  # the result must still go, or the job runs on forever
             log.exception("task %s: tidying up after it failed", self.task.job_id)
-        if tasklog.pending:  # the server is away: its last lines go before its result
-            self.report(lambda: self.logs.deliver_rest(tasklog))
 
         def deliver() -> None:
             self.finish(result)
@@ -276,6 +274,11 @@ class TaskRun:
 
         _successor.open = True  # a task in the reply is handed to this thread
         try:
+            if tasklog.pending:  # the server is away: its last lines go before its result
+                try:
+                    self.report(lambda: self.logs.deliver_rest(tasklog))
+                except Exception:  # refused (a revoked token, say): the result still goes
+                    log.warning("task %s: its last log lines were refused", self.task.job_id)
             self.report(deliver, keep)
         finally:
             _successor.open = False

@@ -152,7 +152,10 @@ class Worker:
         if self._ledger is not None:
             self._ledger.set_worker_id(self.info.id)
             if not delivered:  # refused with a token the server has now taken
-                self._deliver_kept(self._ledger, last_try=True)
+                # Their tasks' ends were refused before: no longer worth failing
+                # the start for; what the server does not take stays kept.
+                with contextlib.suppress(ServerUnreachable):
+                    self._deliver_kept(self._ledger, last_try=True)
         self._interface = interface_of(self.info.address)
         self.tasks_dir = self.work_dir / self.info.id
         self._spares = [make_spare(self._new_dir()) for _ in self.info.slot_gpus[:4]]
@@ -217,11 +220,8 @@ class Worker:
             except InvalidStateError:
                 # The server does not know us: it restarted, or gave us up
                 # for lost. Register again, naming the tasks still running.
-                if not self._stopping.is_set() and not self._reregister():
-                    if self._stopping.wait(backoff):  # unanswered: not again at once
-                        return
-                    backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
-                continue
+                # Outside this handler: its errors are the loop's to handle.
+                instructions = None
             except ServerUnreachable as exc:
                 if isinstance(exc, UntrustedServer) and not untrusted:
                     # Its certificate changed: an operator must act. Until
@@ -240,6 +240,22 @@ class Worker:
                 if self._stopping.wait(backoff):
                     return
                 backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
+                continue
+            if instructions is None:
+                if self._stopping.is_set():
+                    continue
+                try:
+                    registered = self._reregister()
+                except AccessDenied as exc:
+                    self._give_up(f"the server refused this worker's token: {exc}")
+                    return
+                except Exception:
+                    log.exception("worker %s: registering again failed", self.info.id)
+                    registered = False
+                if not registered:
+                    if self._stopping.wait(backoff):  # unanswered: not again at once
+                        return
+                    backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
                 continue
             backoff, untrusted = 0.05, False
             self._handle(instructions)
