@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import secrets
 import subprocess
@@ -21,12 +22,13 @@ from gpulayer.http import auth
 from gpulayer.http.app import create_app
 from gpulayer.http.openapi import document
 from gpulayer.service import ControlPlane
+from gpulayer.spec import parse_spec
 from gpulayer.store.sqlite import SqliteStore
 from gpulayer.transport.http import HttpTransport
 from server.conftest import ServerProc, said
 from server.rawhttp import asgi_request, request
 
-from helpers import PY, pids_alive
+from helpers import PY, pids_alive, refuse_commits
 
 REVOKED = {"error": "the token is not valid on this server"}
 _WORKER = {"worker": {"id": "", "name": "w", "host": "h", "slot_gpus": [None]}}
@@ -292,3 +294,113 @@ def test_the_document_describes_both_routes() -> None:
     revoke = paths["/api/v1/tokens/{token_id}"]["delete"]
     assert revoke["parameters"][0]["schema"]["pattern"] == "^[0-9a-f]{12}$"
     assert "204" in revoke["responses"] and "409" in revoke["responses"]
+
+
+def _in_process(store: SqliteStore, tmp_path: Path) -> tuple[ControlPlane, Any, str, str]:
+    """A plane and its app (no server process), an admin token and a worker token."""
+    plane = ControlPlane(store, instance_id="s1")
+    app = create_app(plane, ArtifactStore(tmp_path / "blobs"))
+    return plane, app, auth.create_token(store, "admin"), auth.create_token(store, "worker")
+
+
+def test_a_registration_whose_body_comes_after_the_revoke_registers_nothing(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    """The token is checked when the headers arrive; revoked while the body is
+    on its way, it must not register a worker nothing can hear (jobs would be
+    placed on it, and end lost unrun)."""
+    plane, app, admin, box = _in_process(store, tmp_path)
+
+    async def scenario() -> tuple[int, int]:
+        reading, body_may_come = asyncio.Event(), asyncio.Event()
+        sent: list[dict[str, Any]] = []
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/api/v1/workers",
+            "raw_path": b"/api/v1/workers",
+            "query_string": b"",
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"authorization", f"Bearer {box}".encode()),
+            ],
+        }
+
+        async def receive() -> dict[str, Any]:
+            reading.set()  # past the token check: reading the body
+            await body_may_come.wait()
+            return {"type": "http.request", "body": json.dumps(_WORKER).encode()}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        registering = asyncio.create_task(app(scope, receive, send))
+        await asyncio.wait_for(reading.wait(), 10)
+        revoked, _, _ = await asgi_request(app, "DELETE", f"/api/v1/tokens/{_id(box)}", token=admin)
+        body_may_come.set()
+        await asyncio.wait_for(registering, 10)
+        return revoked, sent[0]["status"]
+
+    assert asyncio.run(scenario()) == (204, 401)
+    assert plane.list_workers() == []
+    job = plane.submit(parse_spec({"command": [PY, "-c", "pass"], "max_retries": 0}))
+    assert job.state == "queued"
+
+
+def test_a_job_placed_on_a_revoked_worker_but_never_taken_is_queued_again(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    plane, app, admin, box = _in_process(store, tmp_path)
+
+    async def scenario() -> tuple[int, int]:
+        registered, _, _ = await asgi_request(
+            app, "POST", "/api/v1/workers", body=_WORKER, token=box
+        )
+        job = plane.submit(parse_spec({"command": [PY, "-c", "pass"], "max_retries": 0}))
+        assert job.state == "running"  # placed on it; no long poll took it yet
+        revoked, _, _ = await asgi_request(app, "DELETE", f"/api/v1/tokens/{_id(box)}", token=admin)
+        return registered, revoked
+
+    assert asyncio.run(scenario()) == (201, 204)
+    (job,) = plane.list_jobs()
+    assert (job.state, job.attempt - job.given_back) == ("queued", 0), job.reason
+
+
+def test_a_revoke_whose_worker_removal_the_store_refused_still_places_nothing_on_it(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    plane, app, admin, box = _in_process(store, tmp_path)
+
+    async def scenario() -> tuple[int, int]:
+        registered, _, _ = await asgi_request(
+            app, "POST", "/api/v1/workers", body=_WORKER, token=box
+        )
+        refuse_commits(store, 1)  # the worker's removal
+        revoked, _, _ = await asgi_request(app, "DELETE", f"/api/v1/tokens/{_id(box)}", token=admin)
+        return registered, revoked
+
+    assert asyncio.run(scenario()) == (201, 204)
+    job = plane.submit(parse_spec({"command": [PY, "-c", "pass"], "max_retries": 0}))
+    assert job.state == "queued", f"placed on {job.worker}, a worker whose token is revoked"
+
+
+def test_a_worker_declared_lost_can_come_back_under_its_id_with_another_token(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    """The worker on its home adopts the id of the one that died (its token
+    since replaced): once the server has declared that one lost, the old
+    binding must not refuse it until the server restarts."""
+    plane, app, _, first = _in_process(store, tmp_path)
+    second = auth.create_token(store, "worker")
+
+    async def scenario() -> tuple[int, int, int]:
+        status, _, info = await asgi_request(
+            app, "POST", "/api/v1/workers", body=_WORKER, token=first
+        )
+        again = {"worker": {**_WORKER["worker"], "id": info["id"]}, "adopted": True}
+        refused, _, _ = await asgi_request(app, "POST", "/api/v1/workers", body=again, token=second)
+        assert plane.reap(-1.0) == [info["id"]]  # silent (any time counts): declared lost
+        back, _, _ = await asgi_request(app, "POST", "/api/v1/workers", body=again, token=second)
+        return status, refused, back
+
+    assert asyncio.run(scenario()) == (201, 403, 201)

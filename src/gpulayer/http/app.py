@@ -424,6 +424,11 @@ class Api:
             return  # admins (and servers without auth) act for any worker
         owner = self._owners.get(worker_id)
         if owner is not None and owner != token:
+            if not self.plane.has_worker(worker_id):
+                # Declared lost since: its binding goes with it (the worker on
+                # its home may come back under its id, with another token).
+                self._owners.pop(worker_id, None)
+                return
             raise auth.AuthError(
                 403,
                 f"worker {worker_id} was registered with another token; this one cannot act for it",
@@ -431,6 +436,10 @@ class Api:
 
     async def register(self, request: Request) -> Response:
         body = await _body(request, RegisterRequest, _REPORT_MAX)
+        _, token = request.scope[_CALLER]
+        if self.auth_enabled and token and token not in self._roles:
+            # Revoked while its body came? (a revoke empties the cache)
+            auth.role_of(self.plane.store, token)
         if body.worker.id:  # coming back under its id: only with the token it had
             self._check_owner(request, body.worker.id)
         running = [(j, a) for j, a in body.running]
@@ -591,8 +600,12 @@ class Api:
                 continue
             del self._owners[worker_id]
             try:
-                self.plane.unregister_worker(worker_id, "its worker's token was revoked")
-            except StoreError:  # the token is gone all the same: the reaper ends the worker
+                # It can take nothing more: what waits in its inbox never ran.
+                self.plane.unregister_worker(worker_id, "its worker's token was revoked", said=True)
+            except StoreError:
+                self.plane.close_worker(
+                    worker_id
+                )  # the token is gone all the same: the reaper ends the worker
                 log.warning(
                     "worker %s of revoked token %s stays until it is reaped", worker_id, token_id
                 )

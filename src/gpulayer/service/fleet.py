@@ -268,6 +268,19 @@ class Fleet(PlaneCore):
             for job_id in ended:
                 self._signal_done(job_id)
 
+    def has_worker(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` is registered (not declared lost, not gone)."""
+        with self._lock:
+            return worker_id in self._workers
+
+    def close_worker(self, worker_id: str) -> None:
+        """Place nothing more on this worker (no store write: the reaper removes it)."""
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            if worker is not None:
+                worker.closed = True
+                worker.wake.fire()
+
     def close_workers(self) -> None:
         """Place nothing more on any worker (the control plane is shutting down)."""
         with self._lock:
