@@ -88,6 +88,30 @@ def test_a_stopping_worker_gets_no_more_work_and_what_it_never_took_is_not_an_at
         store.close()
 
 
+def test_what_a_silent_worker_never_took_is_not_an_attempt_when_it_is_declared_lost(
+    tmp_path: Path,
+) -> None:
+    """A job placed on a worker that went silent before its next long poll
+    never reached it: queued again, no attempt spent, as for a goodbye."""
+    store = SqliteStore(tmp_path / "db.sqlite")
+    try:
+        plane = ControlPlane(store, instance_id="test")
+        info = WorkerInfo(id="", name="w", host="h", slot_gpus=[None, None])
+        wid = plane.register_worker(info).id
+        spec = parse_spec({"command": ["x"]})  # max_retries 0: a lost attempt ends the job
+        taken = plane.submit(spec)
+        assert plane.take_instructions(wid)  # it took this one, then went silent
+        untaken = plane.submit(spec)
+        assert plane.reap(-1.0) == [wid]
+        assert plane.get(taken.id).state == "lost"
+        assert plane.get(untaken.id).state == "queued"
+        other = plane.register_worker(WorkerInfo(id="", name="o", host="o", slot_gpus=[None])).id
+        (again,) = plane.take_instructions(other)
+        assert isinstance(again, RunTask) and (again.job_id, again.attempt) == (untaken.id, 1)
+    finally:
+        store.close()
+
+
 def _placed_and_taken(plane: ControlPlane, **spec: object) -> tuple[str, str]:
     """A job placed on a worker, which took it: (job id, worker id)."""
     from gpulayer.spec import parse_spec

@@ -255,15 +255,14 @@ class PlaneCore:
         now: float,
         *,
         undo: bool = False,
-        said: bool = False,
     ) -> None:
-        """One node's worker is gone. ``said``: it said goodbye, so a node
-        it never took (still in its inbox) never ran: given back, not lost."""
+        """One node's worker is gone. A node it never took (still in its
+        inbox) never ran: given back, not lost."""
         run = self._running.get(job_id)
         task = run.task_on(worker_id) if run is not None else None
         if run is None or task is None or task.ended:
             return
-        unrun = said and never_taken(task)
+        unrun = never_taken(task)
         result = TaskResult(
             job_id=job_id,
             attempt=run.attempt,

@@ -210,9 +210,9 @@ class Fleet(PlaneCore):
     ) -> None:
         """Detach a worker; jobs it still runs are retried or end lost.
 
-        A worker that ``said`` goodbye (unregistered itself) never saw a job
-        still waiting in its inbox: that one is queued again, not counted
-        as an attempt.
+        A job still waiting in its inbox was never handed to it, whether it
+        ``said`` goodbye (unregistered itself) or went silent: that one is
+        queued again, not counted as an attempt.
         """
         with self._lock:
             worker = self._workers.get(worker_id)
@@ -227,7 +227,7 @@ class Fleet(PlaneCore):
             # tries again; what was stored stays done.
             try:
                 for job_id in [j for j in worker.running if len(self._running[j].tasks) > 1]:
-                    self._node_lost(job_id, worker_id, reason, now, undo=True, said=said)
+                    self._node_lost(job_id, worker_id, reason, now, undo=True)
                     worker.running.discard(job_id)
             except StoreError:
                 worker.closed, worker.said_goodbye = was_closed, said
@@ -237,7 +237,7 @@ class Fleet(PlaneCore):
             # Never handed to it (still in its inbox): never ran, not an
             # attempt. One it took but never reported started may have run
             # (starts are reported late over HTTP): that one was lost.
-            unrun = {job_id for job_id, run in lost.items() if said and never_taken(run.tasks[0])}
+            unrun = {job_id for job_id, run in lost.items() if never_taken(run.tasks[0])}
             ended: list[str] = []
             try:
                 with self.store.transaction() as tx:
