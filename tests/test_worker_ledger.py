@@ -12,11 +12,11 @@ import pytest
 
 from gpulayer.embedded import Embedded
 from gpulayer.errors import ServerUnreachable
-from gpulayer.jobs import Instruction, TaskResult
+from gpulayer.jobs import Instruction, LogLine, TaskResult
 from gpulayer.spec import parse_spec
 from gpulayer.transport.inprocess import InProcessTransport
 from gpulayer.worker import worker as worker_module
-from gpulayer.worker.ledger import Ledger, _read
+from gpulayer.worker.ledger import Kept, Ledger, _read
 from gpulayer.worker.worker import Worker
 
 from helpers import PY, pids_alive, record_registrations
@@ -110,11 +110,13 @@ def test_kept_results_outlive_their_worker_process_until_dropped(tmp_path: Path)
     dead = Ledger(tmp_path)
     dead.set_worker_id("1m8deadworker0")
     first, second = _result("1m8job00000001"), _result("1m8job00000002", attempt=2)
-    dead.keep(first)
+    lines = [LogLine(7, 1.5, "stdout", "the last line", None)]
+    dead.keep(first, lines)
     dead.keep(second)
     dead.drop(second)  # the server took this one
     dead.drop(_result("1m8job00000003"))  # never kept: nothing to do
-    assert dead.kept() == [first]
+    with_lines = Kept(first, lines)
+    assert dead.kept() == [with_lines]
     dead.close()  # a result is still kept: the ledger stays for the next worker
     assert dead.dir.exists()
 
@@ -122,11 +124,11 @@ def test_kept_results_outlive_their_worker_process_until_dropped(tmp_path: Path)
     try:
         assert heir.recover(grace=0.2) == "1m8deadworker0"
         assert not dead.dir.exists()
-        assert heir.kept() == [first]  # now its own, read back whole
+        assert heir.kept() == [with_lines]  # now its own, read back whole
         os.close(heir._fd)  # this one dies too, before delivering it
         again = Ledger(tmp_path)
         assert again.recover(grace=0.2) is None  # no id was set on the heir
-        assert again.kept() == [first]
+        assert again.kept() == [with_lines]
         again.drop(first)
         assert again.kept() == [] and list((again.dir / "results").iterdir()) == []
         again.close()
@@ -137,16 +139,14 @@ def test_kept_results_outlive_their_worker_process_until_dropped(tmp_path: Path)
 
 
 class _Away(InProcessTransport):
-    """The server is away for results and goodbyes while ``away`` is set."""
+    """The server is away for results, log lines and goodbyes while ``away`` is set."""
 
     def __init__(self, embedded: Embedded) -> None:
         super().__init__(embedded.plane, embedded.artifacts)
         self.away = threading.Event()
-        self.refused = threading.Event()
 
     def task_finished(self, result: TaskResult, *, take: bool = True) -> list[Instruction]:
         if self.away.is_set():
-            self.refused.set()
             raise ServerUnreachable("away")
         return super().task_finished(result, take=take)
 
@@ -154,6 +154,11 @@ class _Away(InProcessTransport):
         if self.away.is_set():
             raise ServerUnreachable("away")
         super().heartbeat(worker_id, stopping=stopping)
+
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
+        if self.away.is_set():
+            raise ServerUnreachable("away")
+        super().append_logs(job_id, attempt, lines, node)
 
     def unregister_worker(self, worker_id: str) -> None:
         if self.away.is_set():
@@ -190,8 +195,10 @@ def test_a_result_kept_while_the_server_was_away_is_delivered_by_the_next_worker
     try:
         first.start()
         transport.away.set()
-        job = transport.submit(parse_spec({"command": [PY, "-c", "raise SystemExit(7)"]}))
-        assert transport.refused.wait(60)
+        code = "print('during the outage', flush=True); raise SystemExit(7)"
+        job = transport.submit(parse_spec({"command": [PY, "-c", code]}))
+        with first._tasks_lock:  # it ended, and its end waits in the outbox
+            assert first._idle.wait_for(lambda: not first._tasks, timeout=60)
         first.stop(timeout=0.5)  # the outbox gives up
         assert embedded.plane.get(job.id).state == "running"
         (kept,) = (work / "live").glob("*/results/*")
@@ -202,6 +209,8 @@ def test_a_result_kept_while_the_server_was_away_is_delivered_by_the_next_worker
         second.start()
         final = embedded.plane.wait(job.id, timeout=30)
         assert (final.state, final.exit_code, final.attempt) == ("failed", 7, 1), final.reason
+        logs = embedded.plane.read_logs(job.id, (0, 0), 0).lines
+        assert [line.text for line in logs] == ["during the outage"]  # kept with it
         assert second.id == first.id  # it took over the dead one's id
         assert list((work / "live").glob("*/results/*")) == []
     finally:
@@ -300,7 +309,7 @@ def test_a_kept_result_that_cannot_be_read_back_is_dropped(tmp_path: Path) -> No
         ("1m8job00000002-1-0", 0o600),
     }
     (kept / "1m8job00000002-1-0").write_bytes((kept / "1m8job00000001-1-0").read_bytes())
-    assert ledger.kept() == [good]
+    assert ledger.kept() == [Kept(good)]
     (kept / "1m8job00000001-1-0").write_bytes(b'{"job_id": "1m8')  # cut short
     assert ledger.kept() == []
     assert list(kept.iterdir()) == [] and not ledger.holds_results()

@@ -269,7 +269,10 @@ def test_a_result_kept_through_a_killed_worker_is_delivered_by_the_next(
     gate = tmp_path / "gate"
     os.mkfifo(gate)
     doomed = server.start_worker(tmp_path / "w", name="doomed")
-    code = f"print('before', flush=True); open({str(gate)!r}).read(); raise SystemExit(3)"
+    code = (
+        f"print('before', flush=True); open({str(gate)!r}).read()\n"
+        "print('during the outage', flush=True); raise SystemExit(3)"
+    )
     with server.client() as client:
         job = client.submit(command=[PY, "-c", code])
         follow_until(job, "before")
@@ -288,7 +291,7 @@ def test_a_result_kept_through_a_killed_worker_is_delivered_by_the_next(
         assert job.wait(timeout=60) == "failed"
         info = job.refresh()
         assert (info.exit_code, info.attempt) == (3, 1), info.reason
-        assert job.logs() == "before\n"
+        assert job.logs() == "before\nduring the outage\n"  # kept with the result
 
 
 def test_workers_advertise_the_address_they_reach_the_server_from(

@@ -9,7 +9,8 @@ GPUs while the server retries the job elsewhere. So a worker keeps a ledger::
       worker-id     the id the server gave it
       tasks/<n>     one running task: a line per process, "<pid> <start time>"
       results/<job id>-<attempt>-<node>
-                    a task's result the server has not taken yet (JSON)
+                    a task's result the server has not taken yet, with its
+                    last log lines not delivered either (JSON)
     <work dir>/<worker id>/     its task folders (removed with its ledger)
 
 The record files are made once and written in place: a task's record
@@ -45,10 +46,17 @@ from pathlib import Path
 import msgspec
 
 from ..home import take_lock
-from ..jobs import TaskResult
+from ..jobs import LogLine, TaskResult
 from .process import kill_orphans
 
 log = logging.getLogger(__name__)
+
+
+class Kept(msgspec.Struct):
+    """A task's result waiting for the server, and its lines still undelivered."""
+
+    result: TaskResult
+    lines: list[LogLine] = []
 
 
 class Ledger:
@@ -110,13 +118,14 @@ class Ledger:
     def set_worker_id(self, worker_id: str) -> None:
         (self.dir / "worker-id").write_text(worker_id)
 
-    def keep(self, result: TaskResult) -> None:
-        """Write ``result`` down until :meth:`drop`: it waits for the server."""
+    def keep(self, result: TaskResult, lines: list[LogLine] | None = None) -> None:
+        """Write ``result`` down, with the task's ``lines`` not delivered yet,
+        until :meth:`drop`: it waits for the server."""
         name = _result_name(result)
         temporary = self._results / f".{name}"
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with open(fd, "wb") as file:  # private: a result carries the task's last stderr lines
-            file.write(msgspec.json.encode(result))
+            file.write(msgspec.json.encode(Kept(result, lines or [])))
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, self._results / name)
@@ -139,16 +148,16 @@ class Ledger:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._results / name)
 
-    def kept(self) -> list[TaskResult]:
+    def kept(self) -> list[Kept]:
         """The results kept here, a dead worker's taken over included."""
         with self._lock:
             names = sorted(self._kept)
         found = []
         for name in names:
             try:
-                result = msgspec.json.decode((self._results / name).read_bytes(), type=TaskResult)
-                if _result_name(result) == name:
-                    found.append(result)
+                kept = msgspec.json.decode((self._results / name).read_bytes(), type=Kept)
+                if _result_name(kept.result) == name:
+                    found.append(kept)
                     continue
             except (OSError, msgspec.DecodeError):  # cut short by a full disk, say
                 pass

@@ -126,6 +126,12 @@ class LogSender:
             if not task.pending:
                 self._tasks.discard(task)
 
+    def waiting(self, task: TaskLog) -> list[LogLine]:
+        """A closed task's lines not delivered yet (after any send of them
+        under way has ended), to keep on disk with its result."""
+        with task._send_lock, self.cond:
+            return list(task.pending)
+
     def deliver_rest(self, task: TaskLog) -> None:
         """Send a closed task's remaining lines or raise (for the worker's outbox,
         which retries it in order, before the task's result)."""
@@ -155,7 +161,7 @@ class LogSender:
         # In requests the server reads (see JSON_BODY_MAX_BYTES), in order. If
         # one fails, all go again: the server stores each line once, by its
         # number.
-        for batch in _by_size(lines, defaults.LOG_BATCH_MAX_BYTES):
+        for batch in in_batches(lines, defaults.LOG_BATCH_MAX_BYTES):
             if task.node:
                 self._send(task.job_id, task.attempt, batch, task.node)
             else:
@@ -211,7 +217,7 @@ class LogSender:
             self.send_task(task)
 
 
-def _by_size(lines: list[LogLine], limit: int) -> list[list[LogLine]]:
+def in_batches(lines: list[LogLine], limit: int) -> list[list[LogLine]]:
     """``lines`` in consecutive batches of at most ``limit`` bytes of text
     (a line is cut at LOG_LINE_MAX_BYTES, far below: each batch has one)."""
     batches: list[list[LogLine]] = []

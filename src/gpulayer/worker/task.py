@@ -38,7 +38,7 @@ from typing import Protocol
 from .. import defaults
 from ..artifacts import ArtifactStore
 from ..errors import ServerUnreachable
-from ..jobs import Outcome, RunTask, TaskResult, TaskStarted
+from ..jobs import LogLine, Outcome, RunTask, TaskResult, TaskStarted
 from ..spec import ArtifactRef
 from ..transport import Transport
 from .gpus import Vendor, visible_devices_env
@@ -97,7 +97,7 @@ class TaskRun:
         on_spawned: Callable[[TaskRun, list[tuple[int, float]]], None] | None = None,
         report: Report = _deliver_now,
         finish: Callable[[TaskResult], object] | None = None,
-        keep: Callable[[TaskResult], None] | None = None,
+        keep: Callable[[TaskResult, list[LogLine]], None] | None = None,
         defer_started: float | None = None,
         interface: str | None = None,
     ) -> None:
@@ -118,7 +118,8 @@ class TaskRun:
         # Reports the result (and acts on what the reply brings); by default
         # the transport's report alone.
         self.finish = finish or transport.task_finished
-        # Writes down a result that has to wait for the server (the ledger).
+        # Writes down a result that has to wait for the server, with its last
+        # lines not yet delivered (the ledger).
         self.keep = keep
         # Over a network, a task's start is reported only once it has run this
         # long (a short task's start goes with its end: one request fewer).
@@ -270,7 +271,7 @@ class TaskRun:
 
         def keep() -> None:
             if self.keep is not None:
-                self.keep(result)
+                self.keep(result, self.logs.waiting(tasklog))
 
         _successor.open = True  # a task in the reply is handed to this thread
         try:

@@ -38,8 +38,8 @@ from ..jobs import CancelTask, Instruction, Rendezvous, RunTask, TaskResult, Wor
 from ..transport import Transport
 from .gpus import Gpu, detect_gpus
 from .launch import interface_of
-from .ledger import Ledger
-from .logs import LogSender
+from .ledger import Kept, Ledger
+from .logs import LogSender, in_batches
 from .outbox import Outbox
 from .task import TaskRun
 from .workspace import make_spare, reuse_if_empty
@@ -182,8 +182,10 @@ class Worker:
         (the worker has registered since, so its token is good: what is still
         refused is not its to deliver). Any other refusal is of the result
         itself, which is then dropped."""
-        for result in ledger.kept():
+        for kept in ledger.kept():
+            result = kept.result
             try:
+                self._deliver_kept_lines(kept)
                 self.transport.task_finished(result, take=False)
             except ServerUnreachable:
                 raise
@@ -201,6 +203,19 @@ class Worker:
                 )
             ledger.drop(result)
         return True
+
+    def _deliver_kept_lines(self, kept: Kept) -> None:
+        """The last lines kept with a result go before it (the server stores
+        each line once, by its number: ones it had already are not doubled).
+        Lines it refuses (other than for the token) do not hold the result."""
+        result = kept.result
+        try:
+            for batch in in_batches(kept.lines, defaults.LOG_BATCH_MAX_BYTES):
+                self.transport.append_logs(result.job_id, result.attempt, batch, result.node)
+        except (ServerUnreachable, AccessDenied):
+            raise
+        except GPUlayerError as exc:
+            log.warning("the kept log lines of job %s were refused: %s", result.job_id, exc)
 
     @staticmethod
     def _refused_kept(result: TaskResult, exc: Exception) -> None:
