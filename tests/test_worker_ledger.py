@@ -192,13 +192,20 @@ def test_a_result_kept_while_the_server_was_away_is_delivered_by_the_next_worker
     transport = transport_type(embedded)
     first = Worker(transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True)
     second = None
+    assert first._ledger is not None
+    keep, kept = first._ledger.keep, threading.Event()
+
+    def keep_and_tell(result: TaskResult, lines: list[LogLine] | None = None) -> None:
+        keep(result, lines)
+        kept.set()
+
+    first._ledger.keep = keep_and_tell  # type: ignore[method-assign]
     try:
         first.start()
         transport.away.set()
         code = "print('during the outage', flush=True); raise SystemExit(7)"
         job = transport.submit(parse_spec({"command": [PY, "-c", code]}))
-        with first._tasks_lock:  # it ended, and its end waits in the outbox
-            assert first._idle.wait_for(lambda: not first._tasks, timeout=60)
+        assert kept.wait(60)  # it ended, and its end waits in the outbox
         first.stop(timeout=0.5)  # the outbox gives up
         assert embedded.plane.get(job.id).state == "running"
         (kept,) = (work / "live").glob("*/results/*")
