@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 
 from gpulayer.errors import InvalidStateError, StoreError
 from gpulayer.ids import new_id
-from gpulayer.jobs import RunTask, TaskResult, WorkerInfo
+from gpulayer.jobs import Instruction, RunTask, TaskResult, WorkerInfo
 from gpulayer.service import ControlPlane
+from gpulayer.signals import Signal
 from gpulayer.spec import parse_spec
 from gpulayer.store.sqlite import SqliteStore
 
@@ -109,6 +111,46 @@ def test_what_a_silent_worker_never_took_is_not_an_attempt_when_it_is_declared_l
         (again,) = plane.take_instructions(other)
         assert isinstance(again, RunTask) and (again.job_id, again.attempt) == (untaken.id, 1)
     finally:
+        store.close()
+
+
+def test_a_long_poll_of_a_worker_removed_meanwhile_takes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Woken by its removal, an in-process worker's long poll must not take
+    the job queued again from its inbox: it would run twice, as one attempt."""
+    from gpulayer.service import fleet
+
+    waiting, woken, go = threading.Event(), threading.Event(), threading.Event()
+    wait_on = fleet.wait_on
+
+    def wait_then_hold(lock: threading.Lock, signal: Signal, timeout: float | None) -> bool:
+        waiting.set()  # the plane's lock is held until wait_on has subscribed
+        fired = wait_on(lock, signal, timeout)
+        lock.release()  # the removal happens here, before the poll goes on
+        woken.set()
+        assert go.wait(30)
+        lock.acquire()
+        return fired
+
+    monkeypatch.setattr(fleet, "wait_on", wait_then_hold)
+    store = SqliteStore(tmp_path / "db.sqlite")
+    try:
+        plane = ControlPlane(store, instance_id="test")
+        wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+        polled: list[list[Instruction]] = []
+        poll = threading.Thread(target=lambda: polled.append(plane.acquire(wid, 30)))
+        poll.start()
+        assert waiting.wait(30)
+        job = plane.submit(parse_spec({"command": ["x"]}))  # placed in its inbox: it wakes
+        assert woken.wait(30)
+        assert plane.reap(-1.0) == [wid]
+        go.set()
+        poll.join(30)
+        assert polled == [[]]
+        assert plane.get(job.id).state == "queued"
+    finally:
+        go.set()
         store.close()
 
 

@@ -8,6 +8,7 @@ import os
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from gpulayer.embedded import Embedded
@@ -17,6 +18,7 @@ from gpulayer.spec import parse_spec
 from gpulayer.transport.inprocess import InProcessTransport
 from gpulayer.worker import worker as worker_module
 from gpulayer.worker.ledger import Kept, Ledger, _read
+from gpulayer.worker.logs import TaskLog
 from gpulayer.worker.worker import Worker
 
 from helpers import PY, pids_alive, record_registrations
@@ -322,3 +324,88 @@ def test_a_kept_result_that_cannot_be_read_back_is_dropped(tmp_path: Path) -> No
     assert list(kept.iterdir()) == [] and not ledger.holds_results()
     ledger.close()
     assert not ledger.dir.exists()
+
+
+def test_a_result_kept_by_the_previous_version_is_still_delivered(tmp_path: Path) -> None:
+    """Results were kept bare before their log lines were kept with them: a
+    worker upgraded meanwhile reads those too, rather than dropping them."""
+    result = _result("1m8job00000001")
+    dead = Ledger(tmp_path)
+    dead.set_worker_id("1m8deadworker0")
+    (dead.dir / "results" / "1m8job00000001-1-0").write_bytes(msgspec.json.encode(result))
+    os.close(dead._fd)
+    heir = Ledger(tmp_path)
+    try:
+        assert heir.recover(grace=0.2) == "1m8deadworker0"
+        assert heir.kept() == [Kept(result)]
+    finally:
+        heir.close()
+
+
+class _LinesHang(InProcessTransport):
+    """The server is away (``away``) for results and log lines. The task's
+    own thread is refused at once; a retry of its lines from another thread
+    (the outbox's, or the log sender's) hangs until ``release``, as a request
+    to a server that does not answer does until its timeout."""
+
+    def __init__(self, embedded: Embedded) -> None:
+        super().__init__(embedded.plane, embedded.artifacts)
+        self.away = threading.Event()
+        self.task_tried = threading.Event()
+        self.hanging = threading.Event()
+        self.release = threading.Event()
+
+    def task_finished(self, result: TaskResult, *, take: bool = True) -> list[Instruction]:
+        if self.away.is_set():
+            raise ServerUnreachable("away")
+        return super().task_finished(result, take=take)
+
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
+        if self.away.is_set():
+            if threading.current_thread().name.startswith("gpulayer-task-"):
+                self.task_tried.set()  # its last lines, tried as it ends
+            elif self.task_tried.is_set():
+                self.hanging.set()
+                self.release.wait(60)
+            raise ServerUnreachable("away")
+        super().append_logs(job_id, attempt, lines, node)
+
+
+def test_a_result_is_kept_at_once_while_a_send_of_its_last_lines_hangs(home: Path) -> None:
+    """Keeping a result must not wait for a send of the task's lines already
+    under way (it may hang until its timeout, minutes): until it is kept, a
+    worker killed loses it. The lines in flight are kept with it."""
+    embedded = Embedded(home)
+    work = home / "ledger-workers"
+    transport = _LinesHang(embedded)
+    worker = Worker(transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True)
+    assert worker._ledger is not None
+    keep, kept = worker._ledger.keep, threading.Event()
+
+    def keep_and_tell(result: TaskResult, lines: list[LogLine] | None = None) -> None:
+        keep(result, lines)
+        kept.set()
+
+    worker._ledger.keep = keep_and_tell  # type: ignore[method-assign]
+    waiting = worker._logs.waiting
+
+    def waiting_once_a_send_hangs(task: TaskLog) -> list[LogLine]:
+        assert transport.hanging.wait(30)  # the order under test: the send started first
+        return waiting(task)
+
+    worker._logs.waiting = waiting_once_a_send_hangs  # type: ignore[method-assign]
+    try:
+        worker.start()
+        transport.away.set()
+        job = transport.submit(parse_spec({"command": [PY, "-c", "print('last words')"]}))
+        assert transport.hanging.wait(30)
+        assert kept.wait(10), "the result is not on disk while a send of its lines hangs"
+        (found,) = (work / "live").glob("*/results/*")
+        assert found.name == f"{job.id}-1-0"
+        lines = msgspec.json.decode(found.read_bytes(), type=Kept).lines
+        assert [line.text for line in lines] == ["last words"]
+    finally:
+        transport.release.set()
+        transport.away.clear()
+        worker.stop(timeout=10)
+        embedded.close()

@@ -298,8 +298,10 @@ class Fleet(PlaneCore):
             generation = worker.generation
             if not worker.inbox and not worker.closed:
                 wait_on(self._lock, worker.wake, timeout)
-            if worker.generation != generation:
-                return []  # it registered again meanwhile: this poll is stale
+            if self._workers.get(worker_id) is not worker or worker.generation != generation:
+                # Gone meanwhile (what waits for it is queued again), or
+                # registered again: this poll is stale.
+                return []
             return self._drain(worker)
 
     def generation(self, worker_id: str) -> int:

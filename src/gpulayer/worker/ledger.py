@@ -155,7 +155,11 @@ class Ledger:
         found = []
         for name in names:
             try:
-                kept = msgspec.json.decode((self._results / name).read_bytes(), type=Kept)
+                raw = (self._results / name).read_bytes()
+                try:
+                    kept = msgspec.json.decode(raw, type=Kept)
+                except msgspec.DecodeError:  # as kept before its lines were kept too
+                    kept = Kept(msgspec.json.decode(raw, type=TaskResult))
                 if _result_name(kept.result) == name:
                     found.append(kept)
                     continue

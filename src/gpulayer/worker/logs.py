@@ -41,6 +41,7 @@ class TaskLog:
         self.dropped = 0
         self.closed = False
         self._send_lock = threading.Lock()  # one batch of this task in flight at a time
+        self.sending: list[LogLine] = []  # that batch (under the sender's lock)
 
     def add(self, stream: str, text: str, rank: int | None = None) -> None:
         sender = self.sender
@@ -129,22 +130,25 @@ class LogSender:
     def waiting(self, task: TaskLog) -> list[LogLine]:
         """A closed task's lines not delivered yet (after any send of them
         under way has ended), to keep on disk with its result."""
-        with task._send_lock, self.cond:
-            return list(task.pending)
+        with self.cond:  # not the send lock: a send may hang for minutes
+            return [*task.sending, *task.pending]
 
     def deliver_rest(self, task: TaskLog) -> None:
         """Send a closed task's remaining lines or raise (for the worker's outbox,
         which retries it in order, before the task's result)."""
         with task._send_lock:
             with self.cond:
-                lines = task.take()
+                lines = task.sending = task.take()
             if lines:
                 try:
                     self._deliver_now(task, lines)
                 except Exception:
                     with self.cond:
+                        task.sending = []
                         task.pending.extendleft(reversed(lines[-self.max_lines :]))
                     raise
+                with self.cond:
+                    task.sending = []
         with self.cond:
             if not task.pending:
                 self._tasks.discard(task)
@@ -152,7 +156,7 @@ class LogSender:
     def send_task(self, task: TaskLog) -> None:
         with task._send_lock:
             with self.cond:
-                lines = task.take()
+                lines = task.sending = task.take()
                 self.room.notify_all()  # room again for a reader held back
             if lines:
                 self._deliver(task, lines)
@@ -171,6 +175,8 @@ class LogSender:
         try:
             self._deliver_now(task, lines)
             self.healthy = True
+            with self.cond:
+                task.sending = []
         except Exception as exc:
             # Keep the lines (within the bound) for the next batch; say so
             # once per outage, not at every retry.
@@ -184,6 +190,7 @@ class LogSender:
                 )
             with self.cond:
                 self.healthy = False
+                task.sending = []
                 task.pending.extendleft(reversed(lines[-self.max_lines :]))
                 self.dirty = True
                 self.cond.notify_all()
