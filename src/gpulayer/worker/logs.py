@@ -127,6 +127,12 @@ class LogSender:
             if not task.pending:
                 self._tasks.discard(task)
 
+    def unsent(self, task: TaskLog) -> bool:
+        """Whether some of a task's lines are not delivered yet (waiting, or
+        in a send under way that may still fail)."""
+        with self.cond:
+            return bool(task.pending or task.sending)
+
     def waiting(self, task: TaskLog) -> list[LogLine]:
         """A closed task's lines not delivered yet (after any send of them
         under way has ended), to keep on disk with its result."""

@@ -275,7 +275,9 @@ class TaskRun:
 
         _successor.open = True  # a task in the reply is handed to this thread
         try:
-            if tasklog.pending:  # the server is away: its last lines go before its result
+            # The server is away: its last lines (waiting, or in a send that
+            # may yet fail) go before its result.
+            if self.logs.unsent(tasklog):
                 try:
                     self.report(lambda: self.logs.deliver_rest(tasklog))
                 except Exception:  # refused (a revoked token, say): the result still goes
