@@ -58,12 +58,13 @@ def test_waiting_on_a_job_that_just_ended_reads_no_store(tmp_path: Path) -> None
         store.close()
 
 
-def test_a_stopping_worker_gets_no_more_work_and_what_it_never_took_is_not_an_attempt(
-    tmp_path: Path,
+@pytest.mark.parametrize("goes", ["says goodbye", "goes silent"])
+def test_what_a_worker_never_took_is_not_an_attempt_however_it_goes(
+    tmp_path: Path, goes: str
 ) -> None:
-    from gpulayer.jobs import RunTask
-    from gpulayer.spec import parse_spec
-
+    """A job placed on a worker that never reached it (still in its inbox)
+    never ran: queued again, no attempt spent, whether the worker said
+    goodbye or went silent before its next long poll."""
     store = SqliteStore(tmp_path / "db.sqlite")
     try:
         plane = ControlPlane(store, instance_id="test")
@@ -74,10 +75,13 @@ def test_a_stopping_worker_gets_no_more_work_and_what_it_never_took_is_not_an_at
         (task,) = plane.take_instructions(wid)  # the worker took this one...
         assert isinstance(task, RunTask) and task.job_id == taken.id
         untaken = plane.submit(spec)  # ...not this one, still in its inbox
-        plane.heartbeat(wid, stopping=True)  # it says it is stopping
-        waiting = plane.submit(spec)
-        assert plane.get(waiting.id).state == "queued"  # its free slots take nothing now
-        plane.unregister_worker(wid, said=True)
+        if goes == "says goodbye":
+            plane.heartbeat(wid, stopping=True)  # it says it is stopping
+            waiting = plane.submit(spec)
+            assert plane.get(waiting.id).state == "queued"  # its free slots take nothing now
+            plane.unregister_worker(wid, said=True)
+        else:
+            assert plane.reap(-1.0) == [wid]
         # The one it took may have run (a start is reported late over HTTP):
         # lost. The one it never saw is queued again, no attempt spent.
         assert plane.get(taken.id).state == "lost"
@@ -86,30 +90,6 @@ def test_a_stopping_worker_gets_no_more_work_and_what_it_never_took_is_not_an_at
         (again,) = plane.take_instructions(other)
         assert isinstance(again, RunTask) and (again.job_id, again.attempt) == (untaken.id, 1)
         assert store.get_job(untaken.id).attempt == 1  # type: ignore[union-attr]
-    finally:
-        store.close()
-
-
-def test_what_a_silent_worker_never_took_is_not_an_attempt_when_it_is_declared_lost(
-    tmp_path: Path,
-) -> None:
-    """A job placed on a worker that went silent before its next long poll
-    never reached it: queued again, no attempt spent, as for a goodbye."""
-    store = SqliteStore(tmp_path / "db.sqlite")
-    try:
-        plane = ControlPlane(store, instance_id="test")
-        info = WorkerInfo(id="", name="w", host="h", slot_gpus=[None, None])
-        wid = plane.register_worker(info).id
-        spec = parse_spec({"command": ["x"]})  # max_retries 0: a lost attempt ends the job
-        taken = plane.submit(spec)
-        assert plane.take_instructions(wid)  # it took this one, then went silent
-        untaken = plane.submit(spec)
-        assert plane.reap(-1.0) == [wid]
-        assert plane.get(taken.id).state == "lost"
-        assert plane.get(untaken.id).state == "queued"
-        other = plane.register_worker(WorkerInfo(id="", name="o", host="o", slot_gpus=[None])).id
-        (again,) = plane.take_instructions(other)
-        assert isinstance(again, RunTask) and (again.job_id, again.attempt) == (untaken.id, 1)
     finally:
         store.close()
 

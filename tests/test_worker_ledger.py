@@ -178,6 +178,19 @@ class _BackForTheGoodbye(_Away):
         super().unregister_worker(worker_id)
 
 
+def _told_when_kept(worker: Worker) -> threading.Event:
+    """An event set once ``worker`` has kept a result on disk."""
+    assert worker._ledger is not None
+    keep, kept = worker._ledger.keep, threading.Event()
+
+    def keep_and_tell(result: TaskResult, lines: list[LogLine] | None = None) -> None:
+        keep(result, lines)
+        kept.set()
+
+    worker._ledger.keep = keep_and_tell  # type: ignore[method-assign]
+    return kept
+
+
 @pytest.mark.parametrize("transport_type", [_Away, _BackForTheGoodbye])
 def test_a_result_kept_while_the_server_was_away_is_delivered_by_the_next_worker(
     home: Path, monkeypatch: pytest.MonkeyPatch, transport_type: type[_Away]
@@ -194,14 +207,7 @@ def test_a_result_kept_while_the_server_was_away_is_delivered_by_the_next_worker
     transport = transport_type(embedded)
     first = Worker(transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True)
     second = None
-    assert first._ledger is not None
-    keep, kept = first._ledger.keep, threading.Event()
-
-    def keep_and_tell(result: TaskResult, lines: list[LogLine] | None = None) -> None:
-        keep(result, lines)
-        kept.set()
-
-    first._ledger.keep = keep_and_tell  # type: ignore[method-assign]
+    kept = _told_when_kept(first)
     try:
         first.start()
         transport.away.set()
@@ -379,14 +385,7 @@ def test_a_result_is_kept_at_once_while_a_send_of_its_last_lines_hangs(home: Pat
     work = home / "ledger-workers"
     transport = _LinesHang(embedded)
     worker = Worker(transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True)
-    assert worker._ledger is not None
-    keep, kept = worker._ledger.keep, threading.Event()
-
-    def keep_and_tell(result: TaskResult, lines: list[LogLine] | None = None) -> None:
-        keep(result, lines)
-        kept.set()
-
-    worker._ledger.keep = keep_and_tell  # type: ignore[method-assign]
+    kept = _told_when_kept(worker)
     waiting = worker._logs.waiting
 
     def waiting_once_a_send_hangs(task: TaskLog) -> list[LogLine]:

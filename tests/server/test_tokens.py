@@ -11,7 +11,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -347,21 +347,27 @@ def test_a_registration_whose_body_comes_after_the_revoke_registers_nothing(
     assert job.state == "queued"
 
 
+async def _registered_then_revoked(
+    app: Any, admin: str, box: str, between: Callable[[], object]
+) -> tuple[int, int]:
+    """A worker registered with ``box``, then ``between()``, then ``box`` revoked:
+    the two statuses."""
+    registered, _, _ = await asgi_request(app, "POST", "/api/v1/workers", body=_WORKER, token=box)
+    between()
+    revoked, _, _ = await asgi_request(app, "DELETE", f"/api/v1/tokens/{_id(box)}", token=admin)
+    return registered, revoked
+
+
 def test_a_job_placed_on_a_revoked_worker_but_never_taken_is_queued_again(
     store: SqliteStore, tmp_path: Path
 ) -> None:
     plane, app, admin, box = _in_process(store, tmp_path)
 
-    async def scenario() -> tuple[int, int]:
-        registered, _, _ = await asgi_request(
-            app, "POST", "/api/v1/workers", body=_WORKER, token=box
-        )
+    def placed() -> None:  # on it; no long poll took it yet
         job = plane.submit(parse_spec({"command": [PY, "-c", "pass"], "max_retries": 0}))
-        assert job.state == "running"  # placed on it; no long poll took it yet
-        revoked, _, _ = await asgi_request(app, "DELETE", f"/api/v1/tokens/{_id(box)}", token=admin)
-        return registered, revoked
+        assert job.state == "running"
 
-    assert asyncio.run(scenario()) == (201, 204)
+    assert asyncio.run(_registered_then_revoked(app, admin, box, placed)) == (201, 204)
     (job,) = plane.list_jobs()
     assert (job.state, job.attempt - job.given_back) == ("queued", 0), job.reason
 
@@ -370,16 +376,10 @@ def test_a_revoke_whose_worker_removal_the_store_refused_still_places_nothing_on
     store: SqliteStore, tmp_path: Path
 ) -> None:
     plane, app, admin, box = _in_process(store, tmp_path)
-
-    async def scenario() -> tuple[int, int]:
-        registered, _, _ = await asgi_request(
-            app, "POST", "/api/v1/workers", body=_WORKER, token=box
-        )
-        refuse_commits(store, 1)  # the worker's removal
-        revoked, _, _ = await asgi_request(app, "DELETE", f"/api/v1/tokens/{_id(box)}", token=admin)
-        return registered, revoked
-
-    assert asyncio.run(scenario()) == (201, 204)
+    refused = asyncio.run(
+        _registered_then_revoked(app, admin, box, lambda: refuse_commits(store, 1))
+    )
+    assert refused == (201, 204)
     job = plane.submit(parse_spec({"command": [PY, "-c", "pass"], "max_retries": 0}))
     assert job.state == "queued", f"placed on {job.worker}, a worker whose token is revoked"
 
