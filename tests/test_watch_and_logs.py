@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from gpulayer.errors import ServerUnreachable
 from gpulayer.jobs import LogLine, WorkerInfo
 from gpulayer.service import ControlPlane
 from gpulayer.spec import parse_spec
@@ -232,3 +234,83 @@ def test_lines_sent_again_after_a_restart_are_stored_once(tmp_path: Path) -> Non
     second.append_logs(job, 1, lines[1:])
     assert [line.seq for _, line in store.read_logs(job)] == [1, 2, 3, 4]
     store.close()
+
+
+class _Room(threading.Condition):
+    """The sender's room for held-back readers; says when one starts waiting."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        super().__init__(lock)
+        self.held = threading.Event()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
+        self.held.set()  # the lock is still held: no send can take lines before the wait
+        return super().wait_for(predicate, timeout)
+
+
+def test_a_line_held_back_by_a_full_buffer_is_numbered_after_the_drop_note(
+    plane: ControlPlane,
+) -> None:
+    """Numbered before it waited for room, a line came before the note of
+    drops taken meanwhile, and the server, which stores lines by number,
+    threw it away."""
+    wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
+    job = plane.submit(parse_spec({"command": ["x"]})).id
+    plane.take_instructions(wid)
+    fail_first, entered, release = [True], threading.Event(), threading.Event()
+
+    def send(job_id: str, attempt: int, lines: list[LogLine]) -> None:
+        if fail_first[0]:
+            fail_first[0] = False
+            raise ServerUnreachable("away")
+        if lines[0].text == "a":
+            entered.set()
+            assert release.wait(30)
+        plane.append_logs(job_id, attempt, lines)
+
+    sender = LogSender(send, interval=0.0, max_lines=4, backpressure=30)
+    sender.stop()  # no sender thread: the test makes each send itself
+    sender.room = room = _Room(sender.cond._lock)  # type: ignore[attr-defined]
+    task = sender.open(job, 1)
+    task.add("stdout", "a")
+    sender.send_task(task)  # fails: the sender is unhealthy
+    retry = threading.Thread(target=sender.send_task, args=(task,))
+    retry.start()
+    assert entered.wait(30)  # "a" in flight
+    for text in "bcdef":
+        task.add("stdout", text)  # "b" dropped
+    release.set()
+    retry.join(30)  # healthy again, the drop not reported yet
+    assert sender.healthy and task.dropped == 1
+    reader = threading.Thread(target=task.add, args=("stdout", "g"))
+    reader.start()
+    assert room.held.wait(30)  # "g" waits for room
+    sender.send_task(task)  # c d e f and the note
+    reader.join(30)
+    sender.send_task(task)  # g
+    stored = [line.text for _, line in plane.store.read_logs(job)]
+    assert stored[-1] == "g", stored
+
+
+def test_a_failed_send_of_a_full_buffer_and_its_note_loses_no_line_uncounted() -> None:
+    sent: list[LogLine] = []
+    fail = [True]
+
+    def send(job_id: str, attempt: int, lines: list[LogLine]) -> None:
+        if fail[0]:
+            raise ServerUnreachable("away")
+        sent.extend(lines)
+
+    sender = LogSender(send, interval=0.0, max_lines=4, backpressure=30)
+    sender.stop()
+    task = sender.open("job", 1)
+    task.add("stdout", "first")
+    sender.send_task(task)  # fails: the sender is unhealthy
+    for i in range(6):
+        task.add("stdout", str(i))  # "first", 0 and 1 dropped
+    sender.send_task(task)  # four lines and the note: fails again
+    fail[0] = False
+    sender.send_task(task)
+    texts = [line.text for line in sent]
+    notes = [t for t in texts if t.startswith("[gpulayer]")]
+    assert sum(int(t.split()[1]) for t in notes) + len(texts) - len(notes) == 7, texts

@@ -408,3 +408,38 @@ def test_a_result_is_kept_at_once_while_a_send_of_its_last_lines_hangs(home: Pat
         transport.away.clear()
         worker.stop(timeout=10)
         embedded.close()
+
+
+def test_a_result_is_kept_at_once_while_the_log_senders_retry_of_its_lines_hangs(
+    home: Path,
+) -> None:
+    """The task's own last try of its lines fails at once, and the log
+    sender's retry of them hangs: the task's thread must not wait for it
+    before keeping the result (the outbox does, before delivering it)."""
+    embedded = Embedded(home)
+    work = home / "ledger-workers"
+    transport = _LinesHang(embedded)
+    worker = Worker(transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True)
+    kept = _told_when_kept(worker)
+    close_task = worker._logs.close_task
+
+    def close_task_then_let_the_sender_retry(task: TaskLog) -> None:
+        close_task(task)  # fails at once: its lines wait again
+        assert transport.hanging.wait(30)  # the log sender's retry of them is under way
+
+    worker._logs.close_task = close_task_then_let_the_sender_retry  # type: ignore[method-assign]
+    try:
+        worker.start()
+        transport.away.set()
+        job = transport.submit(parse_spec({"command": [PY, "-c", "print('last words')"]}))
+        assert transport.hanging.wait(30)
+        assert kept.wait(10), "the result is not on disk while a send of its lines hangs"
+        (found,) = (work / "live").glob("*/results/*")
+        assert found.name == f"{job.id}-1-0"
+        lines = msgspec.json.decode(found.read_bytes(), type=Kept).lines
+        assert [line.text for line in lines] == ["last words"]
+    finally:
+        transport.release.set()
+        transport.away.clear()
+        worker.stop(timeout=10)
+        embedded.close()

@@ -46,7 +46,6 @@ class TaskLog:
     def add(self, stream: str, text: str, rank: int | None = None) -> None:
         sender = self.sender
         with sender.cond:
-            self.seq += 1
             if len(self.pending) >= sender.max_lines and sender.healthy:
                 # The control plane is reachable but behind: hold the job's
                 # output (it blocks on its pipe) rather than lose lines, for a
@@ -61,6 +60,9 @@ class TaskLog:
             if len(self.pending) >= sender.max_lines:
                 self.pending.popleft()
                 self.dropped += 1
+            # Numbered once it is in the buffer: a note taken while this line
+            # waited for room must not carry a number after it.
+            self.seq += 1
             self.pending.append(LogLine(self.seq, time.time(), stream, text, rank))  # type: ignore[arg-type]
             if not sender.dirty:
                 sender.dirty = True
@@ -134,15 +136,19 @@ class LogSender:
             return bool(task.pending or task.sending)
 
     def waiting(self, task: TaskLog) -> list[LogLine]:
-        """A closed task's lines not delivered yet (after any send of them
-        under way has ended), to keep on disk with its result."""
+        """A closed task's lines not delivered yet, those in a send under way
+        included (it may still fail), to keep on disk with its result."""
         with self.cond:  # not the send lock: a send may hang for minutes
             return [*task.sending, *task.pending]
 
-    def deliver_rest(self, task: TaskLog) -> None:
+    def deliver_rest(self, task: TaskLog, *, wait: bool = True) -> None:
         """Send a closed task's remaining lines or raise (for the worker's outbox,
-        which retries it in order, before the task's result)."""
-        with task._send_lock:
+        which retries it in order, before the task's result). Unless ``wait``,
+        a send of them already under way (it may hang) raises ServerUnreachable
+        rather than being waited for."""
+        if not task._send_lock.acquire(blocking=wait):
+            raise ServerUnreachable("a send of the task's lines is under way")
+        try:
             with self.cond:
                 lines = task.sending = task.take()
             if lines:
@@ -151,10 +157,12 @@ class LogSender:
                 except Exception:
                     with self.cond:
                         task.sending = []
-                        task.pending.extendleft(reversed(lines[-self.max_lines :]))
+                        self._restore(task, lines)
                     raise
                 with self.cond:
                     task.sending = []
+        finally:
+            task._send_lock.release()
         with self.cond:
             if not task.pending:
                 self._tasks.discard(task)
@@ -197,10 +205,16 @@ class LogSender:
             with self.cond:
                 self.healthy = False
                 task.sending = []
-                task.pending.extendleft(reversed(lines[-self.max_lines :]))
+                self._restore(task, lines)
                 self.dirty = True
                 self.cond.notify_all()
                 self.room.notify_all()  # readers wait no more for a sender that cannot send
+
+    def _restore(self, task: TaskLog, lines: list[LogLine]) -> None:
+        """Lines a send failed to deliver wait again (caller holds the lock),
+        within the bound: those cut are counted in the next note."""
+        task.dropped += max(0, len(lines) - self.max_lines)
+        task.pending.extendleft(reversed(lines[-self.max_lines :]))
 
     def _run(self) -> None:
         while True:

@@ -278,8 +278,17 @@ class TaskRun:
             # The server is away: its last lines (waiting, or in a send that
             # may yet fail) go before its result.
             if self.logs.unsent(tasklog):
+                tries = 0
+
+                def rest() -> None:
+                    # Here, not waiting for a send of them under way on
+                    # another thread (it may hang): the outbox waits for it.
+                    nonlocal tries
+                    tries += 1
+                    self.logs.deliver_rest(tasklog, wait=tries > 1)
+
                 try:
-                    self.report(lambda: self.logs.deliver_rest(tasklog))
+                    self.report(rest)
                 except Exception:  # refused (a revoked token, say): the result still goes
                     log.warning("task %s: its last log lines were refused", self.task.job_id)
             self.report(deliver, keep)
