@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -377,15 +378,8 @@ class _LinesHang(InProcessTransport):
         super().append_logs(job_id, attempt, lines, node)
 
 
-def test_a_result_is_kept_at_once_while_a_send_of_its_last_lines_hangs(home: Path) -> None:
-    """Keeping a result must not wait for a send of the task's lines already
-    under way (it may hang until its timeout, minutes): until it is kept, a
-    worker killed loses it. The lines in flight are kept with it."""
-    embedded = Embedded(home)
-    work = home / "ledger-workers"
-    transport = _LinesHang(embedded)
-    worker = Worker(transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True)
-    kept = _told_when_kept(worker)
+def _hang_a_send_before_the_keep(worker: Worker, transport: _LinesHang) -> None:
+    """A retry of the task's lines by the outbox hangs before the result is kept."""
     waiting = worker._logs.waiting
 
     def waiting_once_a_send_hangs(task: TaskLog) -> list[LogLine]:
@@ -393,34 +387,10 @@ def test_a_result_is_kept_at_once_while_a_send_of_its_last_lines_hangs(home: Pat
         return waiting(task)
 
     worker._logs.waiting = waiting_once_a_send_hangs  # type: ignore[method-assign]
-    try:
-        worker.start()
-        transport.away.set()
-        job = transport.submit(parse_spec({"command": [PY, "-c", "print('last words')"]}))
-        assert transport.hanging.wait(30)
-        assert kept.wait(10), "the result is not on disk while a send of its lines hangs"
-        (found,) = (work / "live").glob("*/results/*")
-        assert found.name == f"{job.id}-1-0"
-        lines = msgspec.json.decode(found.read_bytes(), type=Kept).lines
-        assert [line.text for line in lines] == ["last words"]
-    finally:
-        transport.release.set()
-        transport.away.clear()
-        worker.stop(timeout=10)
-        embedded.close()
 
 
-def test_a_result_is_kept_at_once_while_the_log_senders_retry_of_its_lines_hangs(
-    home: Path,
-) -> None:
-    """The task's own last try of its lines fails at once, and the log
-    sender's retry of them hangs: the task's thread must not wait for it
-    before keeping the result (the outbox does, before delivering it)."""
-    embedded = Embedded(home)
-    work = home / "ledger-workers"
-    transport = _LinesHang(embedded)
-    worker = Worker(transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True)
-    kept = _told_when_kept(worker)
+def _hang_a_send_before_the_last_try(worker: Worker, transport: _LinesHang) -> None:
+    """The task's own last try fails; the log sender's retry then hangs."""
     close_task = worker._logs.close_task
 
     def close_task_then_let_the_sender_retry(task: TaskLog) -> None:
@@ -428,6 +398,23 @@ def test_a_result_is_kept_at_once_while_the_log_senders_retry_of_its_lines_hangs
         assert transport.hanging.wait(30)  # the log sender's retry of them is under way
 
     worker._logs.close_task = close_task_then_let_the_sender_retry  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("hang", [_hang_a_send_before_the_keep, _hang_a_send_before_the_last_try])
+def test_a_result_is_kept_at_once_while_a_send_of_its_last_lines_hangs(
+    home: Path, hang: Callable[[Worker, _LinesHang], None]
+) -> None:
+    """Keeping a result must not wait for a send of the task's lines already
+    under way, by the outbox or the log sender (it may hang until its
+    timeout, minutes): until it is kept, a worker killed loses it. The lines
+    in flight are kept with it; the outbox, not the task's thread, waits for
+    that send before delivering them and the result, in that order."""
+    embedded = Embedded(home)
+    work = home / "ledger-workers"
+    transport = _LinesHang(embedded)
+    worker = Worker(transport, cache=embedded.artifacts, work_dir=work, slots=1, ledger=True)
+    kept = _told_when_kept(worker)
+    hang(worker, transport)
     try:
         worker.start()
         transport.away.set()
