@@ -246,8 +246,8 @@ class Api:
         # Which token (Authorization header) registered each worker: a worker token
         # acts only for the workers it registered, not for others' (a fleet
         # sharing one token shares that right). Kept in memory: after a
-        # restart, workers register again, and are bound again. A revoked
-        # token's workers stay bound to it: revoking grants no one anything.
+        # restart, workers register again, and are bound again. Revoking a
+        # token removes its workers and their bindings (see revoke_token).
         self._owners: dict[str, str] = {}
 
     def guard(
@@ -602,10 +602,8 @@ class Api:
             try:
                 # It can take nothing more: what waits in its inbox never ran.
                 self.plane.unregister_worker(worker_id, "its worker's token was revoked", said=True)
-            except StoreError:
-                self.plane.close_worker(
-                    worker_id
-                )  # the token is gone all the same: the reaper ends the worker
+            except StoreError:  # the token is gone all the same: the reaper ends it
+                self.plane.close_worker(worker_id)
                 log.warning(
                     "worker %s of revoked token %s stays until it is reaped", worker_id, token_id
                 )

@@ -278,15 +278,13 @@ class Fleet(PlaneCore):
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is not None:
-                worker.closed = True
-                worker.wake.fire()
+                _close(worker)
 
     def close_workers(self) -> None:
         """Place nothing more on any worker (the control plane is shutting down)."""
         with self._lock:
             for worker in self._workers.values():
-                worker.closed = True
-                worker.wake.fire()
+                _close(worker)
 
     def acquire(
         self, worker_id: str, timeout: float = defaults.ACQUIRE_TIMEOUT_S
@@ -570,3 +568,8 @@ class Fleet(PlaneCore):
             # Hand the interpreter to the woken client now rather than after
             # this worker's own tidying up: the client is the one waiting.
             os.sched_yield()
+
+
+def _close(worker: LiveWorker) -> None:
+    worker.closed = True
+    worker.wake.fire()  # its long poll, if one is open, ends

@@ -3,8 +3,8 @@
 A worker cut off from its server keeps running its tasks; what it has to say
 about them (started, finished) waits here and goes out, oldest first, when
 the server answers again. A task's result that waits is also kept on disk
-(see ledger.py), so that it outlives the worker process. Delivery retries with capped exponential backoff.
-Within the heartbeat timeout nothing is lost; past it the server has already
+(see ledger.py), so that it outlives the worker process. Delivery retries
+with capped exponential backoff. Within the heartbeat timeout nothing is lost; past it the server has already
 given the task up, and a late result for that attempt is ignored there.
 """
 

@@ -14,6 +14,7 @@ Its life, in steps:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -137,7 +138,7 @@ class Worker:
         return self.info.id
 
     def start(self) -> None:
-        adopted, delivered = False, True
+        adopted = False
         if self._ledger is not None:
             previous = self._ledger.recover(grace=self.kill_grace)
             if previous and not self.info.id:
@@ -147,13 +148,13 @@ class Worker:
                 # Should this process die before it registers, the next one
                 # adopts the id in turn.
                 self._ledger.set_worker_id(previous)
-            delivered = self._deliver_kept(self._ledger)
+            self._deliver_kept(self._ledger)
         self.info = self.transport.register_worker(self.info, adopted=adopted)
         if self._ledger is not None:
             self._ledger.set_worker_id(self.info.id)
-            if not delivered:  # refused with a token the server has now taken
-                # Their tasks' ends were refused before: no longer worth failing
-                # the start for; what the server does not take stays kept.
+            if self._ledger.holds_results():  # refused with a token the server now took
+                # No longer worth failing the start for: what the server does
+                # not take now stays kept.
                 with contextlib.suppress(ServerUnreachable):
                     self._deliver_kept(self._ledger, last_try=True)
         self._interface = interface_of(self.info.address)
@@ -171,17 +172,17 @@ class Worker:
                 daemon=True,
             ).start()
 
-    def _deliver_kept(self, ledger: Ledger, *, last_try: bool = False) -> bool:
+    def _deliver_kept(self, ledger: Ledger, *, last_try: bool = False) -> None:
         """Deliver the results a worker process kept on disk (the server was
         away when their tasks ended). Before registering: after it, the server
         takes those tasks for lost.
 
         Raises ServerUnreachable, with them still kept, while the server is
         away. A token the server refuses (AccessDenied) stops the delivery,
-        and False is returned with them still kept, unless ``last_try``
-        (the worker has registered since, so its token is good: what is still
-        refused is not its to deliver). Any other refusal is of the result
-        itself, which is then dropped."""
+        with them still kept, unless ``last_try`` (the worker has registered
+        since, so its token is good: what is still refused is not its to
+        deliver). Any other refusal is of the result itself, which is then
+        dropped."""
         for kept in ledger.kept():
             result = kept.result
             try:
@@ -191,7 +192,7 @@ class Worker:
                 raise
             except AccessDenied as exc:
                 if not last_try:
-                    return False
+                    return
                 self._refused_kept(result, exc)
             except GPUlayerError as exc:
                 self._refused_kept(result, exc)
@@ -202,7 +203,6 @@ class Worker:
                     result.attempt,
                 )
             ledger.drop(result)
-        return True
 
     def _deliver_kept_lines(self, kept: Kept) -> None:
         """The last lines kept with a result go before it (the server stores
@@ -248,7 +248,7 @@ class Worker:
                 backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
                 continue
             except AccessDenied as exc:
-                self._give_up(f"the server refused this worker's token: {exc}")
+                self._give_up(exc)
                 return
             except Exception:  # a reply it could not read, say: not the end of the worker
                 log.exception("worker %s: asking for work failed", self.info.id)
@@ -262,7 +262,7 @@ class Worker:
                 try:
                     registered = self._reregister()
                 except AccessDenied as exc:
-                    self._give_up(f"the server refused this worker's token: {exc}")
+                    self._give_up(exc)
                     return
                 except Exception:
                     log.exception("worker %s: registering again failed", self.info.id)
@@ -275,9 +275,10 @@ class Worker:
             backoff, untrusted = 0.05, False
             self._handle(instructions)
 
-    def _give_up(self, why: str) -> None:
-        """The worker cannot go on (its token was revoked, say): say why, once,
-        and tell whoever runs it."""
+    def _give_up(self, refused: AccessDenied) -> None:
+        """The server refused the worker's token (revoked, say): it cannot go
+        on. Say why, once, and tell whoever runs it."""
+        why = f"the server refused this worker's token: {refused}"
         with self._tasks_lock:
             if self.gave_up is not None:
                 return
@@ -334,10 +335,6 @@ class Worker:
             self._drop_kept(result)
             self._handle(instructions)
 
-    def _keep(self, result: TaskResult) -> None:
-        if self._ledger is not None:
-            self._ledger.keep(result)
-
     def _drop_kept(self, result: TaskResult) -> None:
         if self._ledger is not None:
             self._ledger.drop(result)
@@ -379,7 +376,7 @@ class Worker:
             except (InvalidStateError, ServerUnreachable):
                 pass  # reconnecting and registering again are the acquire loop's job
             except AccessDenied as exc:  # said here too: the long poll may be open for a while
-                self._give_up(f"the server refused this worker's token: {exc}")
+                self._give_up(exc)
                 return
             except Exception:
                 log.exception("worker %s: heartbeat failed", self.info.id)
@@ -396,7 +393,8 @@ class Worker:
                 outcome="returned",
                 node=task.node,
             )
-            self._outbox.send(lambda: self._finish(result), lambda: self._keep(result))
+            keep = None if self._ledger is None else functools.partial(self._ledger.keep, result)
+            self._outbox.send(lambda: self._finish(result), keep)
             return
         with self._tasks_lock:
             task_dir = self._spares.pop() if self._spares else make_spare(self._new_dir())
@@ -487,8 +485,8 @@ class Worker:
         goodbye = True
         if self._ledger is not None:
             with contextlib.suppress(ServerUnreachable):
-                goodbye = self._deliver_kept(self._ledger)
-            goodbye = goodbye and not self._ledger.holds_results()
+                self._deliver_kept(self._ledger)
+            goodbye = not self._ledger.holds_results()
         # If the server is away, it declares us lost when our heartbeats stop.
         # After any registration the acquire loop has under way, not before it.
         if goodbye:
