@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
-from gpulayer.worker.gpus import Gpu, detect_gpus, visible_devices_env
+from gpulayer.worker.gpus import Gpu, detect_gpus, select_gpus, share_gpus, visible_devices_env
 
 NVIDIA_SMI_ARGS = [
     "--query-gpu=index,name,memory.total,uuid",
@@ -284,3 +285,39 @@ def test_visible_devices_env(vendor: Any, indexes: list[int], expected: dict[str
 def test_visible_devices_env_rejects_nonsense(vendor: Any, indexes: list[int]) -> None:
     with pytest.raises(ValueError, match="GPU indexes"):
         visible_devices_env(vendor, indexes)
+
+
+@pytest.mark.parametrize(
+    ("wanted", "indexes"),
+    [("all", [0, 1, 2]), ("ALL", [0, 1, 2]), ("none", []), ("2,0", [2, 0]), (" 1 ", [1])],
+)
+def test_select_gpus(wanted: str, indexes: list[int]) -> None:
+    assert [g.index for g in select_gpus(NVIDIA_SMI_GPUS, wanted)] == indexes
+
+
+@pytest.mark.parametrize(
+    ("wanted", "message"),
+    [
+        ("3", "--gpus 3: this machine has no GPU 3 (its GPUs: 0, 1, 2)"),
+        ("0,5,7", "this machine has no GPU 5, 7"),
+        ("", "--gpus takes 'all', 'none' or GPU indexes such as 0,2; got ''"),
+        ("first", "got 'first'"),
+        ("0,,1", "got '0,,1'"),
+        ("1,1", "--gpus lists a GPU twice: '1,1'"),
+    ],
+)
+def test_select_gpus_names_what_is_wrong(wanted: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        select_gpus(NVIDIA_SMI_GPUS, wanted)
+
+
+def test_select_gpus_on_a_machine_without_gpus() -> None:
+    assert select_gpus([], "all") == [] == select_gpus([], "none")
+    with pytest.raises(ValueError, match=re.escape("no GPU 0 (its GPUs: none)")):
+        select_gpus([], "0")
+
+
+def test_share_gpus_offers_each_once() -> None:
+    four = [Gpu(i, "nvidia", "G") for i in range(4)]
+    assert [[g.index for g in s] for s in share_gpus(four, 2)] == [[0, 2], [1, 3]]
+    assert [[g.index for g in s] for s in share_gpus(four[:1], 3)] == [[0], [], []]

@@ -494,7 +494,15 @@ def worker() -> None:
 
 @worker.command("start")
 @click.option(
-    "--slots", type=int, help="Slots on a CPU-only machine (default 1; GPU machines: one per GPU)."
+    "--gpus",
+    "gpu_choice",
+    default="all",
+    show_default=True,
+    metavar="all|none|LIST",
+    help="GPUs to offer: all, none (a CPU worker), or indexes such as 0,2.",
+)
+@click.option(
+    "--slots", type=int, help="Slots of a worker without GPUs (default 1; else one per GPU)."
 )
 @click.option("--name", help="A name for this worker (default: host-pid).")
 @click.option("--cache", type=click.Path(file_okay=False), help="Where fetched blobs are cached.")
@@ -513,6 +521,7 @@ def worker() -> None:
 @click.pass_context
 def worker_start(
     ctx: click.Context,
+    gpu_choice: str,
     slots: int | None,
     name: str | None,
     cache: str | None,
@@ -527,11 +536,16 @@ def worker_start(
     from .artifacts import ArtifactStore
     from .home import resolve_home
     from .transport.http import HttpTransport
+    from .worker.gpus import detect_gpus, select_gpus
     from .worker.worker import Worker
 
     url = ctx.obj["server"]
     if not url:
         raise click.UsageError("a worker needs a server: --server URL or GPULAYER_SERVER")
+    try:
+        gpus = select_gpus(detect_gpus() if gpu_choice != "none" else [], gpu_choice)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--gpus") from None
     home = resolve_home(ctx.obj["home"])
     transport = HttpTransport(url, token=ctx.obj["token"], ca_file=ctx.obj["ca_file"])
     stop = threading.Event()
@@ -541,6 +555,7 @@ def worker_start(
         work_dir=home / "workers",
         name=name,
         slots=slots,
+        gpus=gpus,
         kill_grace=kill_grace,
         heartbeat_interval=defaults.HEARTBEAT_INTERVAL_S,
         address=advertise or transport.local_address(),

@@ -27,6 +27,7 @@ from .transport import Transport
 
 if TYPE_CHECKING:
     from .embedded import Embedded
+    from .worker.gpus import Gpu
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class Client:
         self._auto_worker = auto_worker
         self._local_workers: list[subprocess.Popen[str]] = []
         self._forwarders: list[threading.Thread] = []
+        self._gpus: list[Gpu] | None = None  # this machine's, once local workers need them
+        self._claimed_gpus: set[int] = set()  # offered by this client's worker processes
         self.url = url
         self.home = resolve_home(home)
         self._embedded: Embedded | None = None
@@ -114,6 +117,7 @@ class Client:
                 proc.stderr.close()
         self._local_workers.clear()
         self._forwarders.clear()
+        self._claimed_gpus.clear()
         self._transport.close()
 
     @property
@@ -139,6 +143,8 @@ class Client:
         """
         if count < 0:
             raise GPUlayerError(f"ensure_local_workers needs a count of 0 or more, got {count}")
+        if slots is not None and slots < 1:
+            raise GPUlayerError(f"a worker needs at least one slot, got slots={slots}")
         if self._embedded is not None:
             workers = self._embedded.ensure_local_workers(count, slots=slots, kill_grace=kill_grace)
             return [w.info for w in workers]
@@ -154,12 +160,27 @@ class Client:
         def name(i: int) -> str:
             return f"{socket.gethostname()}-local-{os.getpid()}-{i}"
 
+        missing = count - len(self._local_workers)
+        if missing <= 0:
+            return self._local_worker_infos(count, name)
+        # As embedded: the machine's GPUs are split among the workers started
+        # together, so that no two worker processes offer the same GPU.
+        from .worker.gpus import detect_gpus, share_gpus
+
+        if self._gpus is None:
+            self._gpus = detect_gpus()
+        free = [g for g in self._gpus if g.index not in self._claimed_gpus]
         started = []
-        for i in range(len(self._local_workers), count):
+        for i, share in enumerate(share_gpus(free, missing), start=len(self._local_workers)):
             argv = [sys.executable, "-m", "gpulayer.cli", "--server", str(self.url), "worker",
                     "start", "--name", name(i), "--kill-grace", str(kill_grace)]  # fmt: skip
-            if slots is not None:
-                argv += ["--slots", str(slots)]
+            if share:
+                argv += ["--gpus", ",".join(str(g.index) for g in share)]
+                self._claimed_gpus.update(g.index for g in share)
+            else:
+                argv += ["--gpus", "none"]
+                if slots is not None:
+                    argv += ["--slots", str(slots)]
             env = dict(os.environ)
             if token:
                 env["GPULAYER_TOKEN"] = token
@@ -172,6 +193,9 @@ class Client:
             started.append(proc)
         for proc in started:
             self._forwarders.append(_await_registration(proc))
+        return self._local_worker_infos(count, name)
+
+    def _local_worker_infos(self, count: int, name: Callable[[int], str]) -> list[WorkerInfo]:
         names = {name(i) for i in range(count)}
         return [w for w in self._transport.list_workers() if w.name in names]
 

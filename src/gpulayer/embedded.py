@@ -20,7 +20,7 @@ from .ids import new_id
 from .service import ControlPlane
 from .store.sqlite import SqliteStore
 from .transport.inprocess import InProcessTransport
-from .worker.gpus import Gpu, detect_gpus
+from .worker.gpus import Gpu, detect_gpus, share_gpus
 from .worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -83,8 +83,7 @@ class Embedded:
                 self._gpus = detect_gpus()
             claimed = {g.index for w in self.workers for g in w.gpus}
             free = [g for g in self._gpus if g.index not in claimed]
-            for i in range(missing):
-                share = free[i::missing] if free else []
+            for share in share_gpus(free, missing):
                 worker = Worker(
                     self.transport,
                     cache=self.artifacts,  # same machine: the home's store is the cache

@@ -100,9 +100,16 @@ class ServerProc:
         return out.stdout.strip()
 
     def start_worker(
-        self, home: Path, *, slots: int = 1, name: str = "w", token: str | None = None
+        self,
+        home: Path,
+        *,
+        slots: int = 1,
+        name: str = "w",
+        token: str | None = None,
+        gpus: str = "none",  # CPU workers by default: the same on a machine with GPUs
     ) -> subprocess.Popen[str]:
         env = {**os.environ, "GPULAYER_TOKEN": token or self.admin}
+        sizing = ["--gpus", gpus] + (["--slots", str(slots)] if gpus == "none" else [])
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -114,8 +121,7 @@ class ServerProc:
                 self.url,
                 "worker",
                 "start",
-                "--slots",
-                str(slots),
+                *sizing,
                 "--name",
                 name,
                 "--kill-grace",
@@ -152,12 +158,12 @@ class ServerProc:
 
 
 def worker_start_refused(
-    home: Path, url: str, env: dict[str, str]
+    home: Path, url: str, env: dict[str, str], *options: str
 ) -> subprocess.CompletedProcess[str]:
     """`gpulayer worker start` that must fail to start (or it serves for ever)."""
     argv = [sys.executable, "-m", "gpulayer.cli", "--home", str(home), "--server", url]
     done = subprocess.run(
-        [*argv, "worker", "start"],
+        [*argv, "worker", "start", *options],
         env=env,
         stdin=subprocess.DEVNULL,
         capture_output=True,

@@ -388,6 +388,46 @@ def test_ensure_local_workers_starts_worker_processes(server: ServerProc) -> Non
         assert other.workers() == [], "closing the client stopped its workers"
 
 
+def test_local_worker_processes_split_the_gpus_between_them(
+    server: ServerProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # This machine shows three GPUs to the client and the worker processes it
+    # starts: an nvidia-smi of the test's own first on PATH, and NVML hidden.
+    bin_dir, hide_nvml = tmp_path / "bin", tmp_path / "no-nvml"
+    bin_dir.mkdir()
+    hide_nvml.mkdir()
+    rows = "".join(f"{i}, NVIDIA Test GPU, 1024, GPU-{i}\n" for i in range(3))
+    (bin_dir / "nvidia-smi").write_text(f"#!{sys.executable}\nprint({rows!r}, end='')\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    (hide_nvml / "pynvml.py").write_text("raise ImportError('hidden by the test')\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHONPATH", f"{hide_nvml}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    show = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"
+    with server.client() as client:
+        two = client.ensure_local_workers(2, slots=3)
+        assert sorted(w.slot_gpus for w in two) == [[0, 2], [1]]  # none offered twice
+        three = client.ensure_local_workers(3, slots=3)
+        assert [w.slot_gpus for w in three if w.id not in {v.id for v in two}] == [[None] * 3]
+        job = client.submit(command=[PY, "-c", show], gpus=2)
+        assert job.wait(timeout=60) == "succeeded", job.logs()
+        assert job.logs() == "0,2\n" and job.info.gpus == [0, 2]
+
+
+def test_worker_start_names_gpus_it_cannot_offer(server: ServerProc, tmp_path: Path) -> None:
+    for choice, message in [
+        ("7", "--gpus 7: this machine has no GPU 7"),
+        ("0,x", "--gpus takes 'all', 'none' or GPU indexes such as 0,2; got '0,x'"),
+        ("1,1", "--gpus lists a GPU twice: '1,1'"),
+    ]:
+        refused = worker_start_refused(
+            tmp_path / "w", server.url, dict(os.environ), "--gpus", choice
+        )
+        assert message in refused.stderr
+    with server.client() as client:
+        assert client.workers() == []
+
+
 def test_a_distributed_job_across_worker_processes(server: ServerProc, tmp_path: Path) -> None:
     """2x2 over HTTP: node 0's port reaches node 1 through the server, the
     ranks all-reduce across the two worker processes, logs come back tagged."""

@@ -68,6 +68,45 @@ def detect_gpus(*, timeout: float = TOOL_TIMEOUT_S) -> list[Gpu]:
     return nvidia + amd
 
 
+def select_gpus(found: Sequence[Gpu], wanted: str) -> list[Gpu]:
+    """The GPUs a worker offers, as ``--gpus`` says: ``all``, ``none`` or indexes ``0,2``.
+
+    Raises ``ValueError`` naming what is wrong: a malformed list, an index
+    given twice, or one this machine does not have.
+    """
+    text = wanted.strip().lower()
+    if text == "all":
+        return list(found)
+    if text == "none":
+        return []
+    try:
+        indexes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--gpus takes 'all', 'none' or GPU indexes such as 0,2; got {wanted!r}"
+        ) from None
+    if len(set(indexes)) != len(indexes):
+        raise ValueError(f"--gpus lists a GPU twice: {wanted!r}")
+    by_index = {g.index: g for g in found}
+    missing = [i for i in indexes if i not in by_index]
+    if missing:
+        have = ", ".join(str(i) for i in by_index) or "none"
+        raise ValueError(
+            f"--gpus {wanted}: this machine has no GPU {', '.join(map(str, missing))} "
+            f"(its GPUs: {have})"
+        )
+    return [by_index[i] for i in indexes]
+
+
+def share_gpus(free: Sequence[Gpu], count: int) -> list[list[Gpu]]:
+    """Split ``free`` among ``count`` workers started together, none offered twice.
+
+    Round-robin (with 4 GPUs and 2 workers: 0 and 2, 1 and 3); a worker left
+    without a GPU is a CPU worker.
+    """
+    return [list(free[i::count]) for i in range(count)]
+
+
 def visible_devices_env(vendor: Vendor | None, indexes: Sequence[int]) -> dict[str, str]:
     """Env vars that let a task see exactly the GPUs ``indexes`` of ``vendor``.
 

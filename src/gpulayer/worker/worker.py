@@ -87,7 +87,8 @@ class Worker:
         self.vendor = vendors.pop() if vendors else None
         if self.gpus and slots is not None and slots != len(self.gpus):
             raise WorkerError(
-                f"this machine has {len(self.gpus)} GPUs: a GPU worker has one slot per GPU, not {slots}"
+                f"this worker offers {len(self.gpus)} GPUs, so it has one slot per GPU, not "
+                f"{slots}; a worker offering no GPUs (--gpus none) takes a slot count"
             )
         slot_gpus: list[int | None] = (
             [g.index for g in self.gpus] if self.gpus else [None] * (slots or 1)
