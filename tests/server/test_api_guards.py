@@ -39,7 +39,12 @@ def test_a_body_nested_too_deeply_is_a_422_not_a_500(tmp_path: Path, depth: int)
     # A float where an integer goes makes the server look at the body again.
     raw = b'{"spec": {"command": ["true"], "gpus": 2.5}, "x": ' + b"[" * depth + b"]" * depth + b"}"
     status, _, body = asyncio.run(asgi_request(app, "POST", "/api/v1/jobs", raw=raw, token=admin))
-    assert status == 422 and "nested too deeply" in body["error"]
+    # Python 3.12's json module goes deeper than 3.11's: at depth 500 the second
+    # look may get through, and then the answer names the field that is wrong.
+    assert status == 422, body
+    assert "nested too deeply" in body["error"] or (
+        depth == 500 and body["error"].endswith("got `float` - at `$.spec.gpus`")
+    )
 
 
 def test_a_worker_token_cannot_act_for_a_worker_an_admin_registered(tmp_path: Path) -> None:

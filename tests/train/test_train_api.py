@@ -36,7 +36,10 @@ def test_exported_members() -> None:
 
 def test_import_gpulayer_does_not_import_torch() -> None:
     code = "import sys, gpulayer; assert 'torch' not in sys.modules, 'torch imported'"
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )

@@ -46,7 +46,10 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint(tmp_path: Path, how: s
     path = tmp_path / "checkpoints" / "last.ckpt"
     atomic_save({"state_dict": {"w": torch.ones(1000)}, "version": 1}, path)
 
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
     result = subprocess.run(
         [sys.executable, "-c", CRASH, str(path), how], env=env, capture_output=True, timeout=60
     )

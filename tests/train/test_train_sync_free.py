@@ -189,6 +189,7 @@ def test_the_instrumentation_catches_a_per_step_read(syncs: SyncCounter) -> None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature")
 def test_no_cuda_sync_during_steps() -> None:  # pragma: no cover - GPU only
     """On a GPU, CUDA's own sync detector raises if the loop synchronises."""
     device = torch.device("cuda", 0)

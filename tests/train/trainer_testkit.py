@@ -170,6 +170,8 @@ def run_ranks(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
+            # CPU ranks, as a gpus=0 job's: on one GPU, two ranks would both take it.
+            "CUDA_VISIBLE_DEVICES": "",
             "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
         }
         procs.append(
