@@ -86,6 +86,24 @@ def test_16_mixed_on_cuda_uses_a_grad_scaler() -> None:  # pragma: no cover - GP
     assert isinstance(precision, MixedPrecision) and precision.scaler is not None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)]
+)
+def test_mixed_precision_on_cuda_learns_with_fp32_weights(
+    precision: str, dtype: torch.dtype
+) -> None:  # pragma: no cover - GPU only
+    torch.manual_seed(0)
+    module = Learnable()
+    trainer = Trainer(**quiet(accelerator="cuda", max_epochs=8, precision=precision))
+    trainer.fit(module, learnable_data())
+    assert module.dtypes == {dtype}
+    first, last = first_and_last_epoch_loss(module, 20)
+    assert last < first / 10
+    weight = module.net[0].weight
+    assert (weight.device.type, weight.dtype) == ("cuda", torch.float32)
+
+
 def test_precision_objects_per_device() -> None:
     assert isinstance(make_precision("32", torch.device("cpu")), FullPrecision)
     assert isinstance(make_precision(32, torch.device("cpu")), FullPrecision)

@@ -30,8 +30,8 @@ def fresh() -> Regression:
 
 
 def trainer(root: Path, callbacks: list[Any] | None = None, **kwargs: Any) -> Trainer:
+    kwargs.setdefault("accelerator", "cpu")
     return Trainer(
-        accelerator="cpu",
         max_epochs=EPOCHS,
         accumulate_grad_batches=2,
         seed=7,
@@ -66,6 +66,20 @@ def test_resume_after_max_steps_matches_uninterrupted(
     assert resumed.global_step == EPOCHS * 5
     assert resumed.current_epoch == EPOCHS
     assert_same_weights(resumed_module, uninterrupted)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_resume_on_cuda_matches_uninterrupted(tmp_path: Path) -> None:  # pragma: no cover - GPU
+    # Dropout draws from the CUDA generator here: its state must be restored too.
+    whole = fresh()
+    trainer(tmp_path / "whole", accelerator="cuda").fit(whole, shuffled_loader())
+    trainer(tmp_path / "split", accelerator="cuda", max_steps=7).fit(fresh(), shuffled_loader())
+    resumed = fresh()
+    again = trainer(tmp_path / "split", accelerator="cuda")
+    again.fit(resumed, shuffled_loader(), ckpt_path="last")
+    assert again.global_step == EPOCHS * 5
+    assert resumed.net[0].weight.device.type == "cuda"
+    assert_same_weights(resumed, whole)
 
 
 def test_resume_from_an_epoch_checkpoint(tmp_path: Path, uninterrupted: Regression) -> None:
