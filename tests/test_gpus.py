@@ -19,7 +19,16 @@ from typing import Any
 import psutil
 import pytest
 
-from gpulayer.worker.gpus import Gpu, detect_gpus, select_gpus, share_gpus, visible_devices_env
+from gpulayer.errors import WorkerError
+from gpulayer.worker.gpus import (
+    GPUS_HELP,
+    Gpu,
+    detect_gpus,
+    gpus_option,
+    select_gpus,
+    share_gpus,
+    visible_devices_env,
+)
 
 NVIDIA_SMI_ARGS = [
     "--query-gpu=index,name,memory.total,uuid",
@@ -287,37 +296,74 @@ def test_visible_devices_env_rejects_nonsense(vendor: Any, indexes: list[int]) -
         visible_devices_env(vendor, indexes)
 
 
-@pytest.mark.parametrize(
-    ("wanted", "indexes"),
-    [("all", [0, 1, 2]), ("ALL", [0, 1, 2]), ("none", []), ("2,0", [2, 0]), (" 1 ", [1])],
-)
-def test_select_gpus(wanted: str, indexes: list[int]) -> None:
-    assert [g.index for g in select_gpus(NVIDIA_SMI_GPUS, wanted)] == indexes
+MIXED = [*NVIDIA_SMI_GPUS[:2], *AMD_SMI_GPUS]  # nvidia 0, 1 and amd 0, 1
 
 
 @pytest.mark.parametrize(
-    ("wanted", "message"),
+    ("found", "wanted", "chosen"),
     [
-        ("3", "--gpus 3: this machine has no GPU 3 (its GPUs: 0, 1, 2)"),
-        ("0,5,7", "this machine has no GPU 5, 7"),
-        ("", "--gpus takes 'all', 'none' or GPU indexes such as 0,2; got ''"),
-        ("first", "got 'first'"),
-        ("0,,1", "got '0,,1'"),
-        ("1,1", "--gpus lists a GPU twice: '1,1'"),
+        (NVIDIA_SMI_GPUS, "all", ["nvidia:0", "nvidia:1", "nvidia:2"]),
+        (NVIDIA_SMI_GPUS, "ALL", ["nvidia:0", "nvidia:1", "nvidia:2"]),
+        (NVIDIA_SMI_GPUS, "none", []),
+        (NVIDIA_SMI_GPUS, "2,0", ["nvidia:2", "nvidia:0"]),
+        (NVIDIA_SMI_GPUS, " 1 ", ["nvidia:1"]),
+        (NVIDIA_SMI_GPUS, "nvidia:1", ["nvidia:1"]),
+        (NVIDIA_SMI_GPUS, "nvidia", ["nvidia:0", "nvidia:1", "nvidia:2"]),
+        (MIXED, "amd:1,0", ["amd:1", "amd:0"]),
+        (MIXED, "nvidia", ["nvidia:0", "nvidia:1"]),
+        (MIXED, "amd", ["amd:0", "amd:1"]),
     ],
 )
-def test_select_gpus_names_what_is_wrong(wanted: str, message: str) -> None:
+def test_select_gpus(found: list[Gpu], wanted: str, chosen: list[str]) -> None:
+    assert gpus_option_parts(select_gpus(found, wanted)) == chosen
+
+
+def gpus_option_parts(gpus: list[Gpu]) -> list[str]:
+    return [f"{g.vendor}:{g.index}" for g in gpus]
+
+
+@pytest.mark.parametrize(
+    ("found", "wanted", "message"),
+    [
+        (
+            NVIDIA_SMI_GPUS,
+            "3",
+            "--gpus 3: this machine has no GPU 3 (its GPUs: nvidia:0, nvidia:1, nvidia:2)",
+        ),
+        (NVIDIA_SMI_GPUS, "0,5,7", "this machine has no GPU 5, 7"),
+        (NVIDIA_SMI_GPUS, "amd:0", "--gpus amd:0: this machine has no amd GPU 0"),
+        (NVIDIA_SMI_GPUS, "amd", "--gpus amd: this machine has no amd GPU (its GPUs: nvidia:0"),
+        (NVIDIA_SMI_GPUS, "", f"--gpus takes {GPUS_HELP}; got ''"),
+        (NVIDIA_SMI_GPUS, "first", "got 'first'"),
+        (NVIDIA_SMI_GPUS, "0,,1", "got '0,,1'"),
+        (NVIDIA_SMI_GPUS, "intel:0", "got 'intel:0'"),
+        (NVIDIA_SMI_GPUS, "1,1", "--gpus lists a GPU twice: '1,1'"),
+        (
+            MIXED,
+            "0",
+            "--gpus 0: this machine has NVIDIA and AMD GPUs, numbered apart; say which, such as nvidia:0",
+        ),
+        ([], "0", "no GPU 0 (it has none)"),
+    ],
+)
+def test_select_gpus_names_what_is_wrong(found: list[Gpu], wanted: str, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
-        select_gpus(NVIDIA_SMI_GPUS, wanted)
+        select_gpus(found, wanted)
 
 
 def test_select_gpus_on_a_machine_without_gpus() -> None:
     assert select_gpus([], "all") == [] == select_gpus([], "none")
-    with pytest.raises(ValueError, match=re.escape("no GPU 0 (its GPUs: none)")):
-        select_gpus([], "0")
 
 
 def test_share_gpus_offers_each_once() -> None:
     four = [Gpu(i, "nvidia", "G") for i in range(4)]
     assert [[g.index for g in s] for s in share_gpus(four, 2)] == [[0, 2], [1, 3]]
     assert [[g.index for g in s] for s in share_gpus(four[:1], 3)] == [[0], [], []]
+    assert [gpus_option(s) for s in share_gpus(four[:3], 2)] == ["nvidia:0,2", "nvidia:1"]
+    assert gpus_option([]) == "none"
+
+
+def test_share_gpus_refuses_two_vendors() -> None:
+    # Each worker drives one vendor; numbered apart, nvidia 0 and amd 0 are two GPUs.
+    with pytest.raises(WorkerError, match=re.escape("--gpus nvidia, and --gpus amd")):
+        share_gpus(MIXED, 2)

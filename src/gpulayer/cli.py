@@ -499,7 +499,8 @@ def worker() -> None:
     default="all",
     show_default=True,
     metavar="all|none|LIST",
-    help="GPUs to offer: all, none (a CPU worker), or indexes such as 0,2.",
+    help="GPUs to offer: all, none (a CPU worker), a vendor (nvidia, amd), or indexes such "
+    "as 0,2 (nvidia:0,2 on a machine with both vendors).",
 )
 @click.option(
     "--slots", type=int, help="Slots of a worker without GPUs (default 1; else one per GPU)."

@@ -64,7 +64,7 @@ class Client:
         self._local_workers: list[subprocess.Popen[str]] = []
         self._forwarders: list[threading.Thread] = []
         self._gpus: list[Gpu] | None = None  # this machine's, once local workers need them
-        self._claimed_gpus: set[int] = set()  # offered by this client's worker processes
+        self._worker_gpus: dict[subprocess.Popen[str], list[Gpu]] = {}  # what each offers
         self.url = url
         self.home = resolve_home(home)
         self._embedded: Embedded | None = None
@@ -117,7 +117,7 @@ class Client:
                 proc.stderr.close()
         self._local_workers.clear()
         self._forwarders.clear()
-        self._claimed_gpus.clear()
+        self._worker_gpus.clear()
         self._transport.close()
 
     @property
@@ -160,27 +160,25 @@ class Client:
         def name(i: int) -> str:
             return f"{socket.gethostname()}-local-{os.getpid()}-{i}"
 
+        self._forget_ended_workers()
         missing = count - len(self._local_workers)
         if missing <= 0:
             return self._local_worker_infos(count, name)
         # As embedded: the machine's GPUs are split among the workers started
         # together, so that no two worker processes offer the same GPU.
-        from .worker.gpus import detect_gpus, share_gpus
+        from .worker.gpus import detect_gpus, gpus_option, share_gpus
 
         if self._gpus is None:
             self._gpus = detect_gpus()
-        free = [g for g in self._gpus if g.index not in self._claimed_gpus]
+        claimed = {(g.vendor, g.index) for gpus in self._worker_gpus.values() for g in gpus}
+        free = [g for g in self._gpus if (g.vendor, g.index) not in claimed]
         started = []
         for i, share in enumerate(share_gpus(free, missing), start=len(self._local_workers)):
             argv = [sys.executable, "-m", "gpulayer.cli", "--server", str(self.url), "worker",
-                    "start", "--name", name(i), "--kill-grace", str(kill_grace)]  # fmt: skip
-            if share:
-                argv += ["--gpus", ",".join(str(g.index) for g in share)]
-                self._claimed_gpus.update(g.index for g in share)
-            else:
-                argv += ["--gpus", "none"]
-                if slots is not None:
-                    argv += ["--slots", str(slots)]
+                    "start", "--name", name(i), "--kill-grace", str(kill_grace),
+                    "--gpus", gpus_option(share)]  # fmt: skip
+            if not share and slots is not None:
+                argv += ["--slots", str(slots)]
             env = dict(os.environ)
             if token:
                 env["GPULAYER_TOKEN"] = token
@@ -190,10 +188,24 @@ class Client:
                 argv, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
             )
             self._local_workers.append(proc)
+            self._worker_gpus[proc] = share
             started.append(proc)
-        for proc in started:
-            self._forwarders.append(_await_registration(proc))
+        failed = []
+        for proc in started:  # each, so that every one that runs has its stderr read
+            try:
+                self._forwarders.append(_await_registration(proc))
+            except WorkerError as exc:
+                failed.append(exc)
+        if failed:
+            self._forget_ended_workers()  # their GPUs may be offered again
+            raise failed[0]
         return self._local_worker_infos(count, name)
+
+    def _forget_ended_workers(self) -> None:
+        """Worker processes that ended count no more, and their GPUs are free."""
+        for proc in [p for p in self._local_workers if p.poll() is not None]:
+            self._local_workers.remove(proc)
+            del self._worker_gpus[proc]
 
     def _local_worker_infos(self, count: int, name: Callable[[int], str]) -> list[WorkerInfo]:
         names = {name(i) for i in range(count)}
@@ -389,13 +401,20 @@ def _await_registration(proc: subprocess.Popen[str]) -> threading.Thread:
         said.append(line)
     else:
         code = proc.wait()
+        proc.stderr.close()
         raise WorkerError(
             f"a local worker exited with code {code} before registering: {''.join(said)[-2000:]}"
         )
     import sys
 
     stream = proc.stderr
-    forward = threading.Thread(target=lambda: [sys.stderr.write(ln) for ln in stream], daemon=True)
+
+    def forward_lines() -> None:
+        with stream:  # closed at its end, also if the worker ends before the client closes
+            for line in stream:
+                sys.stderr.write(line)
+
+    forward = threading.Thread(target=forward_lines, daemon=True)
     forward.start()
     return forward
 

@@ -81,8 +81,8 @@ class Embedded:
                 return list(self.workers)
             if self._gpus is None:
                 self._gpus = detect_gpus()
-            claimed = {g.index for w in self.workers for g in w.gpus}
-            free = [g for g in self._gpus if g.index not in claimed]
+            claimed = {(g.vendor, g.index) for w in self.workers for g in w.gpus}
+            free = [g for g in self._gpus if (g.vendor, g.index) not in claimed]
             for share in share_gpus(free, missing):
                 worker = Worker(
                     self.transport,

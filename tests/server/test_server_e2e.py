@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import gpulayer
+from gpulayer.worker.gpus import GPUS_HELP
 from server.conftest import ServerProc, free_port, said, worker_start_refused
 
 from helpers import PY, pids_alive, run_2x2_allreduce
@@ -388,11 +389,10 @@ def test_ensure_local_workers_starts_worker_processes(server: ServerProc) -> Non
         assert other.workers() == [], "closing the client stopped its workers"
 
 
-def test_local_worker_processes_split_the_gpus_between_them(
-    server: ServerProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # This machine shows three GPUs to the client and the worker processes it
-    # starts: an nvidia-smi of the test's own first on PATH, and NVML hidden.
+@pytest.fixture
+def three_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine shows three NVIDIA GPUs to the test and the worker processes
+    it starts: an nvidia-smi of the test's own first on PATH, and NVML hidden."""
     bin_dir, hide_nvml = tmp_path / "bin", tmp_path / "no-nvml"
     bin_dir.mkdir()
     hide_nvml.mkdir()
@@ -403,6 +403,10 @@ def test_local_worker_processes_split_the_gpus_between_them(
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("PYTHONPATH", f"{hide_nvml}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     monkeypatch.setitem(sys.modules, "pynvml", None)
+
+
+@pytest.mark.usefixtures("three_gpus")
+def test_local_worker_processes_split_the_gpus_between_them(server: ServerProc) -> None:
     show = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"
     with server.client() as client:
         two = client.ensure_local_workers(2, slots=3)
@@ -414,15 +418,26 @@ def test_local_worker_processes_split_the_gpus_between_them(
         assert job.logs() == "0,2\n" and job.info.gpus == [0, 2]
 
 
+@pytest.mark.usefixtures("three_gpus")
+def test_a_local_worker_that_fails_to_start_gives_its_gpus_back(server: ServerProc) -> None:
+    with server.client() as client:
+        with pytest.raises(gpulayer.WorkerError, match="before registering"):
+            client.ensure_local_workers(1, worker_token="not-a-token")
+        again = client.ensure_local_workers(1)
+        assert [w.slot_gpus for w in again] == [[0, 1, 2]]
+
+
 def test_worker_start_names_gpus_it_cannot_offer(server: ServerProc, tmp_path: Path) -> None:
+    # Were one started, it would serve (and the check below time out), not fail.
+    env = {**os.environ, "GPULAYER_TOKEN": server.admin}
     for choice, message in [
-        ("7", "--gpus 7: this machine has no GPU 7"),
-        ("0,x", "--gpus takes 'all', 'none' or GPU indexes such as 0,2; got '0,x'"),
+        ("99", "--gpus 99: this machine has no GPU 99"),
+        ("amd:99", "--gpus amd:99: this machine has no amd GPU 99"),
+        ("0,x", f"--gpus takes {GPUS_HELP}; got '0,x'"),
+        ("intel:0", "got 'intel:0'"),
         ("1,1", "--gpus lists a GPU twice: '1,1'"),
     ]:
-        refused = worker_start_refused(
-            tmp_path / "w", server.url, dict(os.environ), "--gpus", choice
-        )
+        refused = worker_start_refused(tmp_path / "w", server.url, env, "--gpus", choice)
         assert message in refused.stderr
     with server.client() as client:
         assert client.workers() == []

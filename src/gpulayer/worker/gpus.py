@@ -28,6 +28,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from ..errors import WorkerError
+
 logger = logging.getLogger(__name__)
 
 Vendor = Literal["nvidia", "amd"]
@@ -68,43 +70,83 @@ def detect_gpus(*, timeout: float = TOOL_TIMEOUT_S) -> list[Gpu]:
     return nvidia + amd
 
 
-def select_gpus(found: Sequence[Gpu], wanted: str) -> list[Gpu]:
-    """The GPUs a worker offers, as ``--gpus`` says: ``all``, ``none`` or indexes ``0,2``.
+_VENDORS: tuple[Vendor, ...] = ("nvidia", "amd")
+GPUS_HELP = "'all', 'none', a vendor ('nvidia', 'amd'), or GPU indexes such as 0,2 or nvidia:0,2"
 
-    Raises ``ValueError`` naming what is wrong: a malformed list, an index
-    given twice, or one this machine does not have.
+
+def select_gpus(found: Sequence[Gpu], wanted: str) -> list[Gpu]:
+    """The GPUs a worker offers, as ``--gpus`` says.
+
+    ``all``; ``none``; a vendor (``nvidia``, ``amd``: all of its GPUs); or
+    indexes, as ``nvidia-smi`` or ``amd-smi`` number them (``0,2``), with the
+    vendor first (``nvidia:0,2``) where the machine has both. Raises
+    ``ValueError`` naming what is wrong: a malformed list, an index given
+    twice, one this machine does not have, or one that two vendors share.
     """
     text = wanted.strip().lower()
-    if text == "all":
-        return list(found)
-    if text == "none":
-        return []
+    if text in ("all", "none"):
+        return list(found) if text == "all" else []
+    vendor, colon, listed = text.rpartition(":")
+    if not colon and text in _VENDORS:
+        vendor, listed = text, ""
+    if vendor and vendor not in _VENDORS:
+        raise ValueError(f"--gpus takes {GPUS_HELP}; got {wanted!r}")
+    mine = [g for g in found if not vendor or g.vendor == vendor]
+    if vendor and not listed:
+        if not mine:
+            raise ValueError(f"--gpus {wanted}: this machine has no {vendor} GPU ({_have(found)})")
+        return mine
     try:
-        indexes = [int(part) for part in text.split(",")]
+        indexes = [int(part) for part in listed.split(",")]
     except ValueError:
-        raise ValueError(
-            f"--gpus takes 'all', 'none' or GPU indexes such as 0,2; got {wanted!r}"
-        ) from None
+        raise ValueError(f"--gpus takes {GPUS_HELP}; got {wanted!r}") from None
     if len(set(indexes)) != len(indexes):
         raise ValueError(f"--gpus lists a GPU twice: {wanted!r}")
-    by_index = {g.index: g for g in found}
+    if len({g.vendor for g in mine}) > 1:
+        raise ValueError(
+            f"--gpus {wanted}: this machine has NVIDIA and AMD GPUs, numbered apart; "
+            f"say which, such as nvidia:{listed}"
+        )
+    by_index = {g.index: g for g in mine}
     missing = [i for i in indexes if i not in by_index]
     if missing:
-        have = ", ".join(str(i) for i in by_index) or "none"
         raise ValueError(
-            f"--gpus {wanted}: this machine has no GPU {', '.join(map(str, missing))} "
-            f"(its GPUs: {have})"
+            f"--gpus {wanted}: this machine has no {vendor + ' ' if vendor else ''}GPU "
+            f"{', '.join(map(str, missing))} ({_have(found)})"
         )
     return [by_index[i] for i in indexes]
+
+
+def gpus_option(gpus: Sequence[Gpu]) -> str:
+    """What ``--gpus`` says to offer exactly ``gpus`` (of one vendor)."""
+    if not gpus:
+        return "none"
+    return f"{gpus[0].vendor}:{','.join(str(g.index) for g in gpus)}"
+
+
+def _have(found: Sequence[Gpu]) -> str:
+    if not found:
+        return "it has none"
+    return "its GPUs: " + ", ".join(f"{g.vendor}:{g.index}" for g in found)
 
 
 def share_gpus(free: Sequence[Gpu], count: int) -> list[list[Gpu]]:
     """Split ``free`` among ``count`` workers started together, none offered twice.
 
     Round-robin (with 4 GPUs and 2 workers: 0 and 2, 1 and 3); a worker left
-    without a GPU is a CPU worker.
+    without a GPU is a CPU worker. A worker drives one vendor, so GPUs of two
+    vendors are refused (``WorkerError``): start those workers one vendor each.
     """
+    if len({g.vendor for g in free}) > 1:
+        raise WorkerError(MIXED_VENDORS)
     return [list(free[i::count]) for i in range(count)]
+
+
+MIXED_VENDORS = (
+    "this machine has NVIDIA and AMD GPUs, and a worker drives one vendor: start one "
+    "worker per vendor (gpulayer worker start --gpus nvidia, and --gpus amd; in Python, "
+    "Worker(gpus=...))"
+)
 
 
 def visible_devices_env(vendor: Vendor | None, indexes: Sequence[int]) -> dict[str, str]:

@@ -37,7 +37,7 @@ from ..errors import (
 )
 from ..jobs import CancelTask, Instruction, Rendezvous, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
-from .gpus import Gpu, detect_gpus
+from .gpus import MIXED_VENDORS, Gpu, detect_gpus
 from .launch import interface_of
 from .ledger import Kept, Ledger
 from .logs import LogSender, in_batches
@@ -81,9 +81,7 @@ class Worker:
         self.gpus = detect_gpus() if gpus is None else gpus
         vendors = {g.vendor for g in self.gpus}
         if len(vendors) > 1:
-            raise WorkerError(
-                "a worker drives one GPU vendor; start one worker per vendor (pass gpus= to Worker)"
-            )
+            raise WorkerError(MIXED_VENDORS)
         self.vendor = vendors.pop() if vendors else None
         if self.gpus and slots is not None and slots != len(self.gpus):
             raise WorkerError(
