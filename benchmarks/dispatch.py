@@ -227,7 +227,7 @@ class LoopbackServer:
         self.admin = (home / "admin-token").read_text().strip()
 
     def start_workers(self, count: int) -> None:
-        """``count`` one-slot worker processes, each registered when this returns."""
+        """``count`` one-slot CPU worker processes, each registered when this returns."""
         env = {**os.environ, "GPULAYER_TOKEN": self.admin}
         for _ in range(count):
             i = len(self.workers)
@@ -238,6 +238,8 @@ class LoopbackServer:
                 self.url,
                 "worker",
                 "start",
+                "--gpus",
+                "none",  # CPU jobs, measured alike on a machine with GPUs
                 "--slots",
                 "1",
                 "--name",

@@ -249,7 +249,7 @@ class NetnsCluster:
             log = self.root / f"worker-{host}.log"
             argv = self._cli(
                 "--home", str(self.root / f"worker-{host}"), "--server", self.url,
-                "worker", "start", "--slots", str(self.slots),
+                "worker", "start", "--gpus", "none", "--slots", str(self.slots),
                 "--name", self.worker_names[host], "--kill-grace", str(self.kill_grace),
             )  # fmt: skip
             proc, announced = self._spawn(host, argv, log, env)
