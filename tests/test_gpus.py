@@ -337,6 +337,8 @@ def gpus_option_parts(gpus: list[Gpu]) -> list[str]:
         (NVIDIA_SMI_GPUS, "first", "got 'first'"),
         (NVIDIA_SMI_GPUS, "0,,1", "got '0,,1'"),
         (NVIDIA_SMI_GPUS, "intel:0", "got 'intel:0'"),
+        (NVIDIA_SMI_GPUS, "nvidia:", "got 'nvidia:'"),
+        (NVIDIA_SMI_GPUS, ":1", "got ':1'"),
         (NVIDIA_SMI_GPUS, "1,1", "--gpus lists a GPU twice: '1,1'"),
         (
             MIXED,

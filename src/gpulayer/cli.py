@@ -498,7 +498,7 @@ def worker() -> None:
     "gpu_choice",
     default="all",
     show_default=True,
-    metavar="all|none|LIST",
+    metavar="all|none|VENDOR|LIST",
     help="GPUs to offer: all, none (a CPU worker), a vendor (nvidia, amd), or indexes such "
     "as 0,2 (nvidia:0,2 on a machine with both vendors).",
 )

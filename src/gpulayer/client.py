@@ -12,6 +12,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -61,10 +62,13 @@ class Client:
         url = url or os.environ.get("GPULAYER_SERVER")
         self._progress = progress or _no_progress
         self._auto_worker = auto_worker
-        self._local_workers: list[subprocess.Popen[str]] = []
+        # Worker processes started against a server (ensure_local_workers).
+        self._local_workers: list[_LocalWorker] = []
+        self._local_lock = threading.Lock()
+        self._serials = itertools.count()
         self._forwarders: list[threading.Thread] = []
         self._gpus: list[Gpu] | None = None  # this machine's, once local workers need them
-        self._worker_gpus: dict[subprocess.Popen[str], list[Gpu]] = {}  # what each offers
+        self._closed = False
         self.url = url
         self.home = resolve_home(home)
         self._embedded: Embedded | None = None
@@ -106,18 +110,20 @@ class Client:
         if self._embedded is not None:
             self._embedded.close()
             self._embedded = None
-        for proc in self._local_workers:
-            proc.terminate()
-        for proc in self._local_workers:
-            proc.wait()
-        for thread in self._forwarders:
-            thread.join()  # the worker exited: its stderr is at its end
-        for proc in self._local_workers:
-            if proc.stderr is not None:
-                proc.stderr.close()
-        self._local_workers.clear()
-        self._forwarders.clear()
-        self._worker_gpus.clear()
+        with self._local_lock:
+            self._closed = True
+            procs = [w.proc for w in self._local_workers]
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait()
+            for thread in self._forwarders:
+                thread.join()  # the worker exited: its stderr is at its end
+            for proc in procs:
+                if proc.stderr is not None:
+                    proc.stderr.close()
+            self._local_workers.clear()
+            self._forwarders.clear()
         self._transport.close()
 
     @property
@@ -157,59 +163,54 @@ class Client:
     ) -> list[WorkerInfo]:
         import sys
 
-        def name(i: int) -> str:
-            return f"{socket.gethostname()}-local-{os.getpid()}-{i}"
+        with self._local_lock:
+            if self._closed:
+                raise GPUlayerError("this client is closed")
+            self._forget_ended_workers()
+            missing = count - len(self._local_workers)
+            if missing > 0:
+                # As embedded: the machine's GPUs are split among the workers
+                # started together, so that no two worker processes offer one.
+                from .worker.gpus import detect_gpus, gpus_option, share_gpus
 
-        self._forget_ended_workers()
-        missing = count - len(self._local_workers)
-        if missing <= 0:
-            return self._local_worker_infos(count, name)
-        # As embedded: the machine's GPUs are split among the workers started
-        # together, so that no two worker processes offer the same GPU.
-        from .worker.gpus import detect_gpus, gpus_option, share_gpus
-
-        if self._gpus is None:
-            self._gpus = detect_gpus()
-        claimed = {(g.vendor, g.index) for gpus in self._worker_gpus.values() for g in gpus}
-        free = [g for g in self._gpus if (g.vendor, g.index) not in claimed]
-        started = []
-        for i, share in enumerate(share_gpus(free, missing), start=len(self._local_workers)):
-            argv = [sys.executable, "-m", "gpulayer.cli", "--server", str(self.url), "worker",
-                    "start", "--name", name(i), "--kill-grace", str(kill_grace),
-                    "--gpus", gpus_option(share)]  # fmt: skip
-            if not share and slots is not None:
-                argv += ["--slots", str(slots)]
-            env = dict(os.environ)
-            if token:
-                env["GPULAYER_TOKEN"] = token
-            if self._ca_file:
-                env["GPULAYER_CA_FILE"] = self._ca_file
-            proc = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-            )
-            self._local_workers.append(proc)
-            self._worker_gpus[proc] = share
-            started.append(proc)
-        failed = []
-        for proc in started:  # each, so that every one that runs has its stderr read
-            try:
-                self._forwarders.append(_await_registration(proc))
-            except WorkerError as exc:
-                failed.append(exc)
-        if failed:
-            self._forget_ended_workers()  # their GPUs may be offered again
-            raise failed[0]
-        return self._local_worker_infos(count, name)
+                if self._gpus is None:
+                    self._gpus = detect_gpus()
+                claimed = {(g.vendor, g.index) for w in self._local_workers for g in w.gpus}
+                free = [g for g in self._gpus if (g.vendor, g.index) not in claimed]
+                started = []
+                for share in share_gpus(free, missing):
+                    # Never a name in use, also after a worker ended and another replaces it.
+                    name = f"{socket.gethostname()}-local-{os.getpid()}-{next(self._serials)}"
+                    argv = [sys.executable, "-m", "gpulayer.cli", "--server", str(self.url),
+                            "worker", "start", "--name", name, "--kill-grace", str(kill_grace),
+                            "--gpus", gpus_option(share)]  # fmt: skip
+                    if not share and slots is not None:
+                        argv += ["--slots", str(slots)]
+                    env = dict(os.environ)
+                    if token:
+                        env["GPULAYER_TOKEN"] = token
+                    if self._ca_file:
+                        env["GPULAYER_CA_FILE"] = self._ca_file
+                    proc = subprocess.Popen(
+                        argv, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+                    )
+                    started.append(_LocalWorker(proc, name, share))
+                self._local_workers += started
+                failed = []
+                for worker in started:  # each, so that every one that runs has its stderr read
+                    try:
+                        self._forwarders.append(_await_registration(worker.proc))
+                    except WorkerError as exc:
+                        failed.append(exc)
+                if failed:
+                    self._forget_ended_workers()  # their GPUs may be offered again
+                    raise failed[0]
+            names = {w.name for w in self._local_workers}
+        return [w for w in self._transport.list_workers() if w.name in names]
 
     def _forget_ended_workers(self) -> None:
         """Worker processes that ended count no more, and their GPUs are free."""
-        for proc in [p for p in self._local_workers if p.poll() is not None]:
-            self._local_workers.remove(proc)
-            del self._worker_gpus[proc]
-
-    def _local_worker_infos(self, count: int, name: Callable[[int], str]) -> list[WorkerInfo]:
-        names = {name(i) for i in range(count)}
-        return [w for w in self._transport.list_workers() if w.name in names]
+        self._local_workers = [w for w in self._local_workers if w.proc.poll() is None]
 
     # ---- jobs ----
 
@@ -388,6 +389,15 @@ class Client:
 
     def workers(self) -> list[WorkerInfo]:
         return self._transport.list_workers()
+
+
+@dataclass
+class _LocalWorker:
+    """A ``gpulayer worker start`` process this client started."""
+
+    proc: subprocess.Popen[str]
+    name: str
+    gpus: list[Gpu]
 
 
 def _await_registration(proc: subprocess.Popen[str]) -> threading.Thread:

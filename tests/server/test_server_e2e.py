@@ -7,11 +7,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import gpulayer
@@ -382,6 +384,13 @@ def test_ensure_local_workers_starts_worker_processes(server: ServerProc) -> Non
         workers = client.ensure_local_workers(2, slots=1, kill_grace=0.5)
         assert len(workers) == 2 and len({w.id for w in workers}) == 2
         assert len(client.ensure_local_workers(2)) == 2  # already running: none added
+        # Two threads asking for a third at once start one between them.
+        threads = [threading.Thread(target=client.ensure_local_workers, args=(3,)) for _ in "ab"]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(client.workers()) == 3
         job = client.submit(command=[PY, "-c", "print('local')"])
         assert job.wait(timeout=60) == "succeeded"
         assert job.info.worker in {w.id for w in workers}
@@ -425,6 +434,26 @@ def test_a_local_worker_that_fails_to_start_gives_its_gpus_back(server: ServerPr
             client.ensure_local_workers(1, worker_token="not-a-token")
         again = client.ensure_local_workers(1)
         assert [w.slot_gpus for w in again] == [[0, 1, 2]]
+
+
+@pytest.mark.usefixtures("three_gpus")
+def test_a_local_worker_that_ended_is_replaced_under_a_new_name(server: ServerProc) -> None:
+    client = server.client()
+    with client:
+        first = {w.name: w for w in client.ensure_local_workers(2)}
+        gone = next(n for n, w in first.items() if w.slot_gpus == [0, 2])
+        (proc,) = [
+            p
+            for p in psutil.Process().children()
+            if gone in p.cmdline() and "worker" in p.cmdline()
+        ]
+        proc.kill()
+        proc.wait(timeout=30)
+        again = client.ensure_local_workers(2)
+        assert len({w.name for w in again}) == 2 and gone not in {w.name for w in again}
+        assert sorted(w.slot_gpus for w in again) == [[0, 2], [1]]  # its GPUs, offered again
+    with pytest.raises(gpulayer.GPUlayerError, match="this client is closed"):
+        client.ensure_local_workers(1)
 
 
 def test_worker_start_names_gpus_it_cannot_offer(server: ServerProc, tmp_path: Path) -> None:

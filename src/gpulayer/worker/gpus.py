@@ -89,7 +89,7 @@ def select_gpus(found: Sequence[Gpu], wanted: str) -> list[Gpu]:
     vendor, colon, listed = text.rpartition(":")
     if not colon and text in _VENDORS:
         vendor, listed = text, ""
-    if vendor and vendor not in _VENDORS:
+    if (vendor and vendor not in _VENDORS) or (colon and not (vendor and listed)):
         raise ValueError(f"--gpus takes {GPUS_HELP}; got {wanted!r}")
     mine = [g for g in found if not vendor or g.vendor == vendor]
     if vendor and not listed:
