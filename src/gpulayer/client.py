@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -65,7 +66,6 @@ class Client:
         # Worker processes started against a server (ensure_local_workers).
         self._local_workers: list[_LocalWorker] = []
         self._local_lock = threading.Lock()
-        self._serials = itertools.count()
         self._forwarders: list[threading.Thread] = []
         self._gpus: list[Gpu] | None = None  # this machine's, once local workers need them
         self._closed = False
@@ -179,8 +179,9 @@ class Client:
                 free = [g for g in self._gpus if (g.vendor, g.index) not in claimed]
                 started = []
                 for share in share_gpus(free, missing):
-                    # Never a name in use, also after a worker ended and another replaces it.
-                    name = f"{socket.gethostname()}-local-{os.getpid()}-{next(self._serials)}"
+                    # Never a name in use: not after a worker ended and another replaces
+                    # it, nor by another client of this process.
+                    name = f"{socket.gethostname()}-local-{os.getpid()}-{next(_LOCAL_SERIALS)}"
                     argv = [sys.executable, "-m", "gpulayer.cli", "--server", str(self.url),
                             "worker", "start", "--name", name, "--kill-grace", str(kill_grace),
                             "--gpus", gpus_option(share)]  # fmt: skip
@@ -194,19 +195,20 @@ class Client:
                     proc = subprocess.Popen(
                         argv, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
                     )
-                    started.append(_LocalWorker(proc, name, share))
-                self._local_workers += started
+                    started.append(_LocalWorker(proc, share))
+                    self._local_workers.append(started[-1])  # at once: close() stops it
                 failed = []
                 for worker in started:  # each, so that every one that runs has its stderr read
                     try:
-                        self._forwarders.append(_await_registration(worker.proc))
+                        worker.id, forwarder = _await_registration(worker.proc)
+                        self._forwarders.append(forwarder)
                     except WorkerError as exc:
                         failed.append(exc)
                 if failed:
                     self._forget_ended_workers()  # their GPUs may be offered again
                     raise failed[0]
-            names = {w.name for w in self._local_workers}
-        return [w for w in self._transport.list_workers() if w.name in names]
+            ids = {w.id for w in self._local_workers}
+        return [w for w in self._transport.list_workers() if w.id in ids]
 
     def _forget_ended_workers(self) -> None:
         """Worker processes that ended count no more, and their GPUs are free."""
@@ -391,22 +393,29 @@ class Client:
         return self._transport.list_workers()
 
 
+_LOCAL_SERIALS = itertools.count()  # numbers the local workers' names, in this process
+
+
 @dataclass
 class _LocalWorker:
     """A ``gpulayer worker start`` process this client started."""
 
     proc: subprocess.Popen[str]
-    name: str
     gpus: list[Gpu]
+    id: str | None = None  # once it registered
 
 
-def _await_registration(proc: subprocess.Popen[str]) -> threading.Thread:
-    """Block until a worker process says it has registered, then pass its
-    further messages on to our stderr (by the thread returned)."""
+_SERVING = re.compile(r"gpulayer: worker (\S+) \(.*\) serving ")
+
+
+def _await_registration(proc: subprocess.Popen[str]) -> tuple[str, threading.Thread]:
+    """Block until a worker process says it has registered; its id, and the
+    thread that passes its further messages on to our stderr."""
     assert proc.stderr is not None
     said = []
-    for line in proc.stderr:  # a worker's first line is "... serving URL" once registered
-        if "serving" in line:
+    for line in proc.stderr:  # "gpulayer: worker ID (N slots) serving URL" once registered
+        serving = _SERVING.match(line)
+        if serving:
             break
         said.append(line)
     else:
@@ -426,7 +435,7 @@ def _await_registration(proc: subprocess.Popen[str]) -> threading.Thread:
 
     forward = threading.Thread(target=forward_lines, daemon=True)
     forward.start()
-    return forward
+    return serving.group(1), forward
 
 
 def _size(n: float) -> str:

@@ -456,6 +456,30 @@ def test_a_local_worker_that_ended_is_replaced_under_a_new_name(server: ServerPr
         client.ensure_local_workers(1)
 
 
+def test_local_workers_of_two_clients_and_a_failed_start(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with server.client() as a, server.client() as b:
+        (mine,) = a.ensure_local_workers(1)
+        (theirs,) = b.ensure_local_workers(1)  # its own, not a's too
+        assert mine.id != theirs.id and mine.name != theirs.name
+        # A start that fails part-way leaves nothing running once the client closes.
+        real, calls = subprocess.Popen, []
+
+        def second_fails(*args: Any, **kwargs: Any) -> subprocess.Popen[str]:
+            calls.append(args)
+            if len(calls) == 2:
+                raise OSError(24, "Too many open files")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(subprocess, "Popen", second_fails)
+        with pytest.raises(OSError, match="Too many open files"):
+            a.ensure_local_workers(3)
+        monkeypatch.setattr(subprocess, "Popen", real)
+    with server.client() as other:
+        assert other.workers() == [], "closing the clients stopped every worker they started"
+
+
 def test_worker_start_names_gpus_it_cannot_offer(server: ServerProc, tmp_path: Path) -> None:
     # Were one started, it would serve (and the check below time out), not fail.
     env = {**os.environ, "GPULAYER_TOKEN": server.admin}
