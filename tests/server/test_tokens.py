@@ -404,3 +404,48 @@ def test_a_worker_declared_lost_can_come_back_under_its_id_with_another_token(
         return status, refused, back
 
     assert asyncio.run(scenario()) == (201, 403, 201)
+
+
+def test_after_a_restart_no_other_token_acts_for_a_worker_and_a_revoke_removes_it(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    """Which token registered a worker outlives the server: until the worker
+    registers again, another worker token cannot take it (and its running
+    job) over, and revoking its own token ends its job at once, not after the
+    heartbeat timeout."""
+    plane, app, admin, box = _in_process(store, tmp_path)
+    other = auth.create_token(store, "worker")
+
+    async def before() -> tuple[str, str]:
+        _, _, info = await asgi_request(app, "POST", "/api/v1/workers", body=_WORKER, token=box)
+        job = plane.submit(parse_spec({"command": [PY, "-c", "pass"], "max_retries": 0}))
+        acquire = f"/api/v1/workers/{info['id']}/acquire"
+        status, _, taken = await asgi_request(app, "POST", acquire, "timeout=0", token=box)
+        assert (status, [t["job_id"] for t in taken]) == (200, [job.id])
+        return info["id"], job.id
+
+    worker_id, job_id = asyncio.run(before())
+    # The server restarts: a new plane on the same store; the worker, still
+    # running the job, has not registered again yet.
+    again = ControlPlane(store, instance_id="s2")
+    again.recover("s1", workers_outlive=True)
+    restarted = create_app(again, ArtifactStore(tmp_path / "blobs"))
+    takeover = {
+        "worker": {**_WORKER["worker"], "id": worker_id},
+        "running": [[job_id, 1]],
+        "adopted": True,
+    }
+
+    async def after() -> tuple[int, int]:
+        taken, _, _ = await asgi_request(
+            restarted, "POST", "/api/v1/workers", body=takeover, token=other
+        )
+        revoked, _, _ = await asgi_request(
+            restarted, "DELETE", f"/api/v1/tokens/{_id(box)}", token=admin
+        )
+        return taken, revoked
+
+    assert asyncio.run(after()) == (403, 204)
+    job = again.get(job_id)
+    assert (job.state, job.reason) == ("lost", "its worker's token was revoked")
+    assert store.worker_bindings() == {}

@@ -10,6 +10,7 @@ and made on the loop thread itself; blob bodies are streamed in chunks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import threading
@@ -243,12 +244,13 @@ class Api:
         # job would otherwise hash its token and query the store. A token's
         # role never changes; a revocation empties it (see revoke_token).
         self._roles: dict[str, str] = {}
-        # Which token (Authorization header) registered each worker: a worker token
-        # acts only for the workers it registered, not for others' (a fleet
-        # sharing one token shares that right). Kept in memory: after a
-        # restart, workers register again, and are bound again. Revoking a
-        # token removes its workers and their bindings (see revoke_token).
-        self._owners: dict[str, str] = {}
+        # Which token (its sha256, '' without one) registered each worker: a
+        # worker token acts only for the workers it registered, not for
+        # others' (a fleet sharing one token shares that right). Kept in the
+        # store too, so that after a restart no other token acts for a worker
+        # that has not registered again yet, and revoking its token removes
+        # it (see revoke_token).
+        self._owners: dict[str, str] = plane.store.worker_bindings()
 
     def guard(
         self, roles: tuple[str, ...] | None, handler: Handler, query: tuple[str, ...] | None = ()
@@ -423,11 +425,11 @@ class Api:
         if role != auth.WORKER:
             return  # admins (and servers without auth) act for any worker
         owner = self._owners.get(worker_id)
-        if owner is not None and owner != token:
+        if owner is not None and owner != (auth.digest_of(token) or ""):
             if not self.plane.has_worker(worker_id):
                 # Declared lost since: its binding goes with it (the worker on
                 # its home may come back under its id, with another token).
-                self._owners.pop(worker_id, None)
+                self._unbind(worker_id)
                 return
             raise auth.AuthError(
                 403,
@@ -447,7 +449,15 @@ class Api:
         # Whatever its role: a worker an admin's token registered (a local
         # worker a client started) is not for any worker token to act for.
         _, token = request.scope[_CALLER]
-        self._owners[info.id] = token
+        owner = self._owners[info.id] = auth.digest_of(token) or ""
+        try:
+            self.plane.store.bind_worker(info.id, owner)
+        except StoreError:  # it is registered: refusing now would leave it unheard
+            log.warning(
+                "could not store which token registered worker %s: after a restart it is "
+                "bound again only once it registers again",
+                info.id,
+            )
         response = _json(info, 201)
         response.headers[_GENERATION] = str(self.plane.generation(info.id))
         return response
@@ -456,8 +466,15 @@ class Api:
         worker_id = request.path_params["worker_id"]
         self._check_owner(request, worker_id)
         self.plane.unregister_worker(worker_id, said=True)
-        self._owners.pop(worker_id, None)
+        self._unbind(worker_id)
         return Response(status=204)
+
+    def _unbind(self, worker_id: str) -> None:
+        if self._owners.pop(worker_id, None) is not None:
+            # Left in the store, it comes back after a restart and is dropped
+            # again then (see _check_owner); it never lets a token do more.
+            with contextlib.suppress(StoreError):
+                self.plane.store.unbind_worker(worker_id)
 
     async def heartbeat(self, request: Request) -> Response:
         beat = await _body(request, HeartbeatRequest, _REPORT_MAX)
@@ -595,10 +612,10 @@ class Api:
         # nothing more is placed on them and their tasks are retried or end,
         # and their ids are free for the worker started again with a valid
         # token (the next one on a home adopts the id, see ledger.py).
-        for worker_id, header in list(self._owners.items()):
-            if auth.digest_of(header) != hashed:
+        for worker_id, owner in list(self._owners.items()):
+            if owner != hashed:
                 continue
-            del self._owners[worker_id]
+            self._unbind(worker_id)
             try:
                 # It can take nothing more: what waits in its inbox never ran.
                 self.plane.unregister_worker(worker_id, "its worker's token was revoked", said=True)

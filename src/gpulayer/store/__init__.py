@@ -189,6 +189,17 @@ class Store(abc.ABC):
         the last two."""
 
     @abc.abstractmethod
+    def bind_worker(self, worker_id: str, digest: str) -> None:
+        """Record that the token whose sha256 is ``digest`` registered the worker."""
+
+    @abc.abstractmethod
+    def unbind_worker(self, worker_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def worker_bindings(self) -> dict[str, str]:
+        """Every worker's binding: worker id -> its token's sha256."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 

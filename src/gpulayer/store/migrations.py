@@ -107,6 +107,17 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ALTER TABLE jobs ADD COLUMN given_back INTEGER NOT NULL DEFAULT 0
         """,
     ),
+    # 6: which token (its sha256; '' without auth) registered each worker, so
+    # that after a restart no other worker token acts for it, and revoking
+    # the token removes it.
+    (
+        """
+        CREATE TABLE worker_tokens (
+            worker TEXT PRIMARY KEY,
+            digest TEXT NOT NULL
+        ) WITHOUT ROWID
+        """,
+    ),
 )
 
 LATEST = len(MIGRATIONS)

@@ -532,6 +532,22 @@ class SqliteStore(Store):
             ).fetchall()
         return [(str(d), str(role), name, float(created)) for d, role, name, created in rows]
 
+    def bind_worker(self, worker_id: str, digest: str) -> None:
+        with self._guarded:
+            self._db.execute(
+                "INSERT OR REPLACE INTO worker_tokens (worker, digest) VALUES (?,?)",
+                (worker_id, digest),
+            )
+
+    def unbind_worker(self, worker_id: str) -> None:
+        with self._guarded:
+            self._db.execute("DELETE FROM worker_tokens WHERE worker=?", (worker_id,))
+
+    def worker_bindings(self) -> dict[str, str]:
+        with self._guarded:
+            rows = self._db.execute("SELECT worker, digest FROM worker_tokens").fetchall()
+        return {str(worker): str(digest) for worker, digest in rows}
+
     def delete_token(self, digest: str, *, keep_last: str | None = None) -> bool:
         with self._guarded:
             return (
