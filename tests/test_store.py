@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from gpulayer.errors import StoreError
-from gpulayer.jobs import JobInfo, LogLine
+from gpulayer.jobs import JobInfo, LogLine, WorkerInfo
 from gpulayer.spec import JobSpec
 from gpulayer.store.migrations import LATEST, MIGRATIONS
 from gpulayer.store.sqlite import SqliteStore
@@ -23,15 +23,19 @@ def test_new_store_is_migrated_and_reopens_with_its_data(tmp_path: Path) -> None
             JobInfo(id="j1", spec=JobSpec(command=["x"]), seq=1, marks={"submitted": 1.5})
         )
     store.append_logs("j1", 1, [LogLine(1, 2.0, "stdout", "hi")])
-    for worker, digest in [("w1", "a" * 64), ("w2", "b" * 64), ("w3", ""), ("w1", "c" * 64)]:
-        store.bind_worker(worker, digest)
-    store.unbind_worker("w2")
+    with store.transaction() as tx:
+        for worker, digest in [("w1", "a" * 64), ("w2", "b" * 64), ("w3", None), ("w1", "c" * 64)]:
+            tx.upsert_worker(
+                WorkerInfo(id=worker, name=worker, host="h", slot_gpus=[None]), token_digest=digest
+            )
+        tx.delete_worker("w2")
     store.close()
     again = SqliteStore(path)
     job = again.get_job("j1")
     assert job is not None and job.spec.command == ["x"] and job.marks == {"submitted": 1.5}
     assert [line.text for _, line in again.read_logs("j1")] == ["hi"]
-    assert again.worker_bindings() == {"w1": "c" * 64, "w3": ""}  # the last binding holds
+    assert again.worker_bindings() == {"w1": "c" * 64}  # the last one holds; none without auth
+    assert {w.id for w in again.list_workers()} == {"w1", "w3"}
     again.close()
 
 

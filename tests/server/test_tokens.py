@@ -382,6 +382,14 @@ def test_a_revoke_whose_worker_removal_the_store_refused_still_places_nothing_on
     assert refused == (201, 204)
     job = plane.submit(parse_spec({"command": [PY, "-c", "pass"], "max_retries": 0}))
     assert job.state == "queued", f"placed on {job.worker}, a worker whose token is revoked"
+    # Still bound to the revoked token until it is reaped: no other token takes it over.
+    (worker,) = plane.list_workers()
+    other = auth.create_token(store, "worker")
+    takeover = {"worker": {**_WORKER["worker"], "id": worker.id}}
+    status, _, _ = asyncio.run(
+        asgi_request(app, "POST", "/api/v1/workers", body=takeover, token=other)
+    )
+    assert status == 403
 
 
 def test_a_worker_declared_lost_can_come_back_under_its_id_with_another_token(
@@ -449,3 +457,33 @@ def test_after_a_restart_no_other_token_acts_for_a_worker_and_a_revoke_removes_i
     job = again.get(job_id)
     assert (job.state, job.reason) == ("lost", "its worker's token was revoked")
     assert store.worker_bindings() == {}
+
+
+def test_a_worker_declared_lost_leaves_no_binding_behind(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    plane, app, _, box = _in_process(store, tmp_path)
+    asyncio.run(asgi_request(app, "POST", "/api/v1/workers", body=_WORKER, token=box))
+    assert list(store.worker_bindings().values()) == [auth.digest(box)]
+    assert len(plane.reap(-1.0)) == 1  # silent (any time counts): declared lost
+    assert store.worker_bindings() == {}
+
+
+def test_workers_of_a_server_without_auth_come_back_when_it_restarts_with_auth(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    """Without auth no token registered them: nothing binds them after a
+    restart with auth, so their own token brings them back."""
+    plane = ControlPlane(store, instance_id="s1")
+    open_app = create_app(plane, ArtifactStore(tmp_path / "blobs"), auth_enabled=False)
+    _, _, info = asyncio.run(asgi_request(open_app, "POST", "/api/v1/workers", body=_WORKER))
+    assert store.worker_bindings() == {}
+    again = ControlPlane(store, instance_id="s2")
+    again.recover("s1", workers_outlive=True)
+    closed_app = create_app(again, ArtifactStore(tmp_path / "blobs"))
+    box = auth.create_token(store, "worker")
+    back = {"worker": {**_WORKER["worker"], "id": info["id"]}}
+    status, _, _ = asyncio.run(
+        asgi_request(closed_app, "POST", "/api/v1/workers", body=back, token=box)
+    )
+    assert status == 201

@@ -10,7 +10,6 @@ and made on the loop thread itself; blob bodies are streamed in chunks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import threading
@@ -243,13 +242,13 @@ class Api:
         # Valid tokens' roles, by Authorization header: every request of a
         # job would otherwise hash its token and query the store. A token's
         # role never changes; a revocation empties it (see revoke_token).
-        self._roles: dict[str, str] = {}
-        # Which token (its sha256, '' without one) registered each worker: a
-        # worker token acts only for the workers it registered, not for
-        # others' (a fleet sharing one token shares that right). Kept in the
-        # store too, so that after a restart no other token acts for a worker
-        # that has not registered again yet, and revoking its token removes
-        # it (see revoke_token).
+        self._roles: dict[str, tuple[str, str | None]] = {}  # header -> role, sha256
+        # Which token (its sha256) registered each worker: a worker token acts
+        # only for the workers it registered, not for others' (a fleet
+        # sharing one token shares that right). Stored with the worker's row
+        # (none without auth), so that after a restart no other token acts
+        # for a worker that has not registered again yet, and revoking its
+        # token removes it (see revoke_token).
         self._owners: dict[str, str] = plane.store.worker_bindings()
 
     def guard(
@@ -262,16 +261,17 @@ class Api:
             try:
                 if roles is not None and self.auth_enabled:
                     header = request.header(b"authorization") or ""
-                    role = self._roles.get(header)
-                    if role is None:
+                    known = self._roles.get(header)
+                    if known is None:
                         role = auth.role_of(self.plane.store, header)  # 401 if not valid
+                        known = (role, auth.digest_of(header))
                         if len(self._roles) >= _MAX_CACHED_TOKENS:
                             self._roles.clear()
-                        self._roles[header] = role
-                    auth.require(role, roles)
-                    request.scope[_CALLER] = (role, header)
+                        self._roles[header] = known
+                    auth.require(known[0], roles)
+                    request.scope[_CALLER] = (*known, header)
                 else:
-                    request.scope[_CALLER] = (auth.ADMIN, "")
+                    request.scope[_CALLER] = (auth.ADMIN, None, "")
                 # Most requests have no query string: parse none then.
                 unknown = (
                     sorted(set(request.query) - set(query))
@@ -421,15 +421,16 @@ class Api:
     def _check_owner(self, request: Request, worker_id: str) -> None:
         """A worker token may act only for a worker it registered (or one
         not bound since the server started: it registers again soon)."""
-        role, token = request.scope[_CALLER]
+        role, digest, _ = request.scope[_CALLER]
         if role != auth.WORKER:
             return  # admins (and servers without auth) act for any worker
         owner = self._owners.get(worker_id)
-        if owner is not None and owner != (auth.digest_of(token) or ""):
+        if owner is not None and owner != digest:
             if not self.plane.has_worker(worker_id):
-                # Declared lost since: its binding goes with it (the worker on
-                # its home may come back under its id, with another token).
-                self._unbind(worker_id)
+                # Declared lost since (its stored row went with it): the
+                # worker on its home may come back under its id, with
+                # another token.
+                del self._owners[worker_id]
                 return
             raise auth.AuthError(
                 403,
@@ -438,26 +439,21 @@ class Api:
 
     async def register(self, request: Request) -> Response:
         body = await _body(request, RegisterRequest, _REPORT_MAX)
-        _, token = request.scope[_CALLER]
+        _, digest, token = request.scope[_CALLER]
         if self.auth_enabled and token and token not in self._roles:
             # Revoked while its body came? (a revoke empties the cache)
             auth.role_of(self.plane.store, token)
         if body.worker.id:  # coming back under its id: only with the token it had
             self._check_owner(request, body.worker.id)
         running = [(j, a) for j, a in body.running]
-        info = self.plane.register_worker(body.worker, running, adopted=body.adopted)
+        # Stored with the worker, in the same write: kept across a restart.
+        info = self.plane.register_worker(
+            body.worker, running, adopted=body.adopted, token_digest=digest
+        )
         # Whatever its role: a worker an admin's token registered (a local
         # worker a client started) is not for any worker token to act for.
-        _, token = request.scope[_CALLER]
-        owner = self._owners[info.id] = auth.digest_of(token) or ""
-        try:
-            self.plane.store.bind_worker(info.id, owner)
-        except StoreError:  # it is registered: refusing now would leave it unheard
-            log.warning(
-                "could not store which token registered worker %s: after a restart it is "
-                "bound again only once it registers again",
-                info.id,
-            )
+        if digest is not None:
+            self._owners[info.id] = digest
         response = _json(info, 201)
         response.headers[_GENERATION] = str(self.plane.generation(info.id))
         return response
@@ -465,16 +461,9 @@ class Api:
     async def unregister(self, request: Request) -> Response:
         worker_id = request.path_params["worker_id"]
         self._check_owner(request, worker_id)
-        self.plane.unregister_worker(worker_id, said=True)
-        self._unbind(worker_id)
+        self.plane.unregister_worker(worker_id, said=True)  # its row, binding and all
+        self._owners.pop(worker_id, None)
         return Response(status=204)
-
-    def _unbind(self, worker_id: str) -> None:
-        if self._owners.pop(worker_id, None) is not None:
-            # Left in the store, it comes back after a restart and is dropped
-            # again then (see _check_owner); it never lets a token do more.
-            with contextlib.suppress(StoreError):
-                self.plane.store.unbind_worker(worker_id)
 
     async def heartbeat(self, request: Request) -> Response:
         beat = await _body(request, HeartbeatRequest, _REPORT_MAX)
@@ -615,11 +604,12 @@ class Api:
         for worker_id, owner in list(self._owners.items()):
             if owner != hashed:
                 continue
-            self._unbind(worker_id)
             try:
                 # It can take nothing more: what waits in its inbox never ran.
                 self.plane.unregister_worker(worker_id, "its worker's token was revoked", said=True)
+                del self._owners[worker_id]
             except StoreError:  # the token is gone all the same: the reaper ends it
+                # Still bound to the revoked token, so that no token acts for it.
                 self.plane.close_worker(worker_id)
                 log.warning(
                     "worker %s of revoked token %s stays until it is reaped", worker_id, token_id

@@ -40,9 +40,17 @@ class Fleet(PlaneCore):
     # ---- workers -------------------------------------------------------
 
     def register_worker(
-        self, info: WorkerInfo, running: Iterable[tuple[str, int]] = (), *, adopted: bool = False
+        self,
+        info: WorkerInfo,
+        running: Iterable[tuple[str, int]] = (),
+        *,
+        adopted: bool = False,
+        token_digest: str | None = None,
     ) -> WorkerInfo:
         """Add a worker, or re-attach one that was here before (same id).
+
+        ``token_digest``: the sha256 of the token it registered with, stored
+        with it (the HTTP layer lets only that token act for it).
 
         A returning worker names the tasks it still runs (job id, attempt):
         those stay running; the ones it no longer has end as lost (or are
@@ -141,7 +149,7 @@ class Fleet(PlaneCore):
                             tx.requeue(
                                 job_id, reason=None, owner=self.instance_id, attempt=run.attempt
                             )
-                    tx.upsert_worker(info)
+                    tx.upsert_worker(info, token_digest=token_digest)
                     assignments = self._plan()
                     self._record(tx, assignments, now)
             except StoreError:

@@ -105,7 +105,8 @@ class Transaction(abc.ABC):
         with ``workers``, its workers; else drop them). Returns the queued ids."""
 
     @abc.abstractmethod
-    def upsert_worker(self, worker: WorkerInfo) -> None: ...
+    def upsert_worker(self, worker: WorkerInfo, *, token_digest: str | None = None) -> None:
+        """Store the worker, with the sha256 of the token that registered it."""
 
     @abc.abstractmethod
     def delete_worker(self, worker_id: str) -> None: ...
@@ -189,15 +190,9 @@ class Store(abc.ABC):
         the last two."""
 
     @abc.abstractmethod
-    def bind_worker(self, worker_id: str, digest: str) -> None:
-        """Record that the token whose sha256 is ``digest`` registered the worker."""
-
-    @abc.abstractmethod
-    def unbind_worker(self, worker_id: str) -> None: ...
-
-    @abc.abstractmethod
     def worker_bindings(self) -> dict[str, str]:
-        """Every worker's binding: worker id -> its token's sha256."""
+        """Worker id -> the sha256 of the token that registered it, for every
+        worker registered with a token (see ``upsert_worker``)."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

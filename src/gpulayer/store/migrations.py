@@ -107,15 +107,12 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ALTER TABLE jobs ADD COLUMN given_back INTEGER NOT NULL DEFAULT 0
         """,
     ),
-    # 6: which token (its sha256; '' without auth) registered each worker, so
-    # that after a restart no other worker token acts for it, and revoking
-    # the token removes it.
+    # 6: the sha256 of the token that registered each worker (NULL without
+    # auth): after a restart no other worker token acts for it, and revoking
+    # the token removes it. Written and deleted with the worker's row.
     (
         """
-        CREATE TABLE worker_tokens (
-            worker TEXT PRIMARY KEY,
-            digest TEXT NOT NULL
-        ) WITHOUT ROWID
+        ALTER TABLE workers ADD COLUMN token_digest TEXT
         """,
     ),
 )

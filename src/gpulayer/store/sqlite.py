@@ -265,10 +265,10 @@ class _SqliteTransaction(Transaction):
             self.db.execute("DELETE FROM workers WHERE instance=?", (from_owner,))
         return [r[0] for r in rows]
 
-    def upsert_worker(self, worker: WorkerInfo) -> None:
+    def upsert_worker(self, worker: WorkerInfo, *, token_digest: str | None = None) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO workers (id, instance, info) VALUES (?,?,?)",
-            (worker.id, worker.instance, _encode(worker)),
+            "INSERT OR REPLACE INTO workers (id, instance, info, token_digest) VALUES (?,?,?,?)",
+            (worker.id, worker.instance, _encode(worker), token_digest),
         )
 
     def delete_worker(self, worker_id: str) -> None:
@@ -532,20 +532,11 @@ class SqliteStore(Store):
             ).fetchall()
         return [(str(d), str(role), name, float(created)) for d, role, name, created in rows]
 
-    def bind_worker(self, worker_id: str, digest: str) -> None:
-        with self._guarded:
-            self._db.execute(
-                "INSERT OR REPLACE INTO worker_tokens (worker, digest) VALUES (?,?)",
-                (worker_id, digest),
-            )
-
-    def unbind_worker(self, worker_id: str) -> None:
-        with self._guarded:
-            self._db.execute("DELETE FROM worker_tokens WHERE worker=?", (worker_id,))
-
     def worker_bindings(self) -> dict[str, str]:
         with self._guarded:
-            rows = self._db.execute("SELECT worker, digest FROM worker_tokens").fetchall()
+            rows = self._db.execute(
+                "SELECT id, token_digest FROM workers WHERE token_digest IS NOT NULL"
+            ).fetchall()
         return {str(worker): str(digest) for worker, digest in rows}
 
     def delete_token(self, digest: str, *, keep_last: str | None = None) -> bool:
