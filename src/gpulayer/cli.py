@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -592,27 +593,61 @@ def _admin_transport(ctx: click.Context) -> HttpTransport:
     return transport
 
 
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
+_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def _duration(value: str | None) -> float | None:
+    """Seconds in ``90m``, ``12h``, ``30d``, ``2w`` or ``3600``."""
+    if value is None:
+        return None
+    match = _DURATION.fullmatch(value)
+    seconds = float(match[1]) * _UNIT_S[match[2]] if match else 0.0
+    if seconds <= 0:
+        raise click.BadParameter(
+            f"{value!r} is not a duration; give one such as 90m, 12h, 30d or 2w",
+            param_hint="--expires-in",
+        )
+    return seconds
+
+
 @token.command("create")
 @click.option("--role", type=click.Choice(["worker", "user", "admin"]), required=True)
 @click.option("--name", help="What the token is for.")
+@click.option(
+    "--expires-in",
+    metavar="DURATION",
+    help="Refuse it after this long (90m, 12h, 30d, 2w; default: valid until revoked). "
+    "Not for admin tokens.",
+)
 @click.pass_context
-def token_create(ctx: click.Context, role: str, name: str | None) -> None:
+def token_create(ctx: click.Context, role: str, name: str | None, expires_in: str | None) -> None:
     """Make a token and print it (it is shown only this once)."""
-    click.echo(_admin_transport(ctx).create_token(role, name))
+    seconds = _duration(expires_in)
+    click.echo(_admin_transport(ctx).create_token(role, name, expires_in=seconds))
 
 
 @token.command("list")
 @click.pass_context
 def token_list(ctx: click.Context) -> None:
-    """List the server's tokens, oldest first: id, role, name, when made."""
+    """List the server's tokens, oldest first: id, role, name, when made, when
+    it expires."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table("ID", "ROLE", "NAME", "CREATED", box=None)
+    def when(at: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+
+    table = Table("ID", "ROLE", "NAME", "CREATED", "EXPIRES", box=None)
+    now = time.time()
     for made in _admin_transport(ctx).list_tokens():
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(made.created))
-        table.add_row(made.id, made.role, escape(made.name) if made.name else "-", created)
+        if made.expires is None:
+            expires = "never"
+        else:
+            expires = when(made.expires) + (" (expired)" if made.expires <= now else "")
+        name = escape(made.name) if made.name else "-"
+        table.add_row(made.id, made.role, name, when(made.created), expires)
     Console().print(table)
 
 

@@ -72,7 +72,8 @@ def test_the_list_shows_each_token_without_its_secret(server: ServerProc) -> Non
         (_id(alice), "user", "alice"),
         (_id(box), "worker", None),
     ]
-    assert all(set(t) == {"id", "role", "name", "created"} for t in tokens)
+    assert all(set(t) == {"id", "role", "name", "created", "expires"} for t in tokens)
+    assert [t["expires"] for t in tokens] == [None, None, None]
     assert before <= tokens[1]["created"] <= tokens[2]["created"] <= after
     shown = str(tokens)
     for token in (server.admin, alice, box):
@@ -151,8 +152,8 @@ def test_the_last_admin_token_cannot_be_revoked(server: ServerProc) -> None:
     status, answer = _revoke(server, first)
     assert status == 409, answer
     assert answer["error"] == (
-        f"token {first} is the last admin token: without it no one could make or revoke "
-        "tokens; make another admin token first"
+        f"token {first} is the last admin token that does not expire: without it no one could "
+        "make or revoke tokens once the others expire; make another admin token first"
     )
     assert [t["id"] for t in _listed(server)] == [first]  # still there, and still works
     second = _make(server, "admin", "second")
@@ -197,15 +198,28 @@ def test_token_list_and_revoke_from_the_command_line(server: ServerProc) -> None
     made = _gl("create", "--role", "user", "--name", "[bold]bob", server=server, token=server.admin)
     assert made.returncode == 0, made.stderr
     bob = made.stdout.strip()
+    brief = _gl(
+        "create", "--role", "worker", "--expires-in", "2d", server=server, token=server.admin
+    )
+    assert brief.returncode == 0, brief.stderr
     listed = _gl("list", server=server, token=server.admin)
     assert listed.returncode == 0, listed.stderr
     rows = [line.split() for line in listed.stdout.splitlines()]
-    assert rows[0] == ["ID", "ROLE", "NAME", "CREATED"]
+    assert rows[0] == ["ID", "ROLE", "NAME", "CREATED", "EXPIRES"]
     assert [row[:3] for row in rows[1:]] == [
         [_id(server.admin), "admin", "first"],  # "first admin": two words
         [_id(bob), "user", "[bold]bob"],  # a name is shown as it is, not as markup
+        [_id(brief.stdout.strip()), "worker", "-"],
     ]
-    assert time.strptime(" ".join(rows[2][3:]), "%Y-%m-%d %H:%M:%S")
+    assert time.strptime(" ".join(rows[2][3:5]), "%Y-%m-%d %H:%M:%S")
+    assert rows[2][5:] == ["never"]
+    expires = time.mktime(time.strptime(" ".join(rows[3][5:7]), "%Y-%m-%d %H:%M:%S"))
+    assert abs(expires - (time.time() + 2 * 86400)) < 120
+    for bad in ("soon", "0", "-1h", "3y", "1.5.2d"):
+        refused = _gl(
+            "create", "--role", "user", "--expires-in", bad, server=server, token=server.admin
+        )
+        assert refused.returncode == 2 and "is not a duration" in refused.stderr, bad
     assert bob.split("_", 2)[2] not in listed.stdout
 
     revoked = _gl("revoke", _id(bob), server=server, token=server.admin)
@@ -273,7 +287,11 @@ def test_the_store_keeps_the_last_token_of_a_role(store: SqliteStore) -> None:
     assert store.delete_token("a" * 64, keep_last="admin")
     assert not store.delete_token("b" * 64, keep_last="admin")
     assert not store.delete_token("d" * 64, keep_last="admin")  # none such
-    assert store.list_tokens() == [("b" * 64, "admin", "two", 2.0)]
+    assert store.list_tokens() == [("b" * 64, "admin", "two", 2.0, None)]
+    # One that expires does not count: it cannot stand in for the last one.
+    store.add_token("e" * 64, "admin", "brief", 4.0, expires=5.0)
+    assert not store.delete_token("b" * 64, keep_last="admin")
+    assert store.delete_token("e" * 64, keep_last="admin")
     assert store.delete_token("b" * 64)  # no guard asked for
 
 
@@ -487,3 +505,55 @@ def test_workers_of_a_server_without_auth_come_back_when_it_restarts_with_auth(
         asgi_request(closed_app, "POST", "/api/v1/workers", body=back, token=box)
     )
     assert status == 201
+
+
+def test_a_token_is_refused_once_it_expires_also_from_the_cache(
+    store: SqliteStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, app, admin, _ = _in_process(store, tmp_path)
+    clock = [time.time()]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+
+    async def scenario() -> list[Any]:
+        status, _, made = await asgi_request(
+            app, "POST", "/api/v1/tokens", body={"role": "user", "expires_in": 60}, token=admin
+        )
+        assert status == 201 and made["expires"] == clock[0] + 60, made
+        answers = [(await asgi_request(app, "GET", "/api/v1/jobs", token=made["token"]))[0]]
+        clock[0] += 61  # its role is cached now: the cache must not honour it
+        answers.append(await asgi_request(app, "GET", "/api/v1/jobs", token=made["token"]))
+        return answers
+
+    ok, (status, _, body) = asyncio.run(scenario())
+    assert (ok, status) == (200, 401)
+    assert body["error"].startswith("the token expired at ") and "ask an admin" in body["error"]
+
+
+def test_an_admin_token_may_expire_but_the_last_one_that_does_not_stays(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    _, app, admin, _ = _in_process(store, tmp_path)
+
+    async def scenario() -> tuple[int, int, int]:
+        made = await asgi_request(
+            app, "POST", "/api/v1/tokens", body={"role": "admin", "expires_in": 3600}, token=admin
+        )
+        brief = made[2]["token"]
+        first = await asgi_request(app, "DELETE", f"/api/v1/tokens/{_id(admin)}", token=brief)
+        itself = await asgi_request(app, "DELETE", f"/api/v1/tokens/{_id(brief)}", token=admin)
+        return made[0], first[0], itself[0]
+
+    assert asyncio.run(scenario()) == (201, 409, 204)
+
+
+@pytest.mark.parametrize("expires_in", [0, -5, 10 * 366 * 86400, "1d"])
+def test_a_bad_expiry_is_a_422_naming_it(
+    store: SqliteStore, tmp_path: Path, expires_in: object
+) -> None:
+    _, app, admin, _ = _in_process(store, tmp_path)
+    body = {"role": "user", "expires_in": expires_in}
+    status, _, answer = asyncio.run(
+        asgi_request(app, "POST", "/api/v1/tokens", body=body, token=admin)
+    )
+    assert status == 422 and "$.expires_in" in answer["error"], answer
+    assert len(store.list_tokens()) == 2  # nothing made

@@ -242,7 +242,8 @@ class Api:
         # Valid tokens' roles, by Authorization header: every request of a
         # job would otherwise hash its token and query the store. A token's
         # role never changes; a revocation empties it (see revoke_token).
-        self._roles: dict[str, tuple[str, str | None]] = {}  # header -> role, sha256
+        # header -> role, sha256, expiry (None: never)
+        self._roles: dict[str, tuple[str, str | None, float | None]] = {}
         # Which token (its sha256) registered each worker: a worker token acts
         # only for the workers it registered, not for others' (a fleet
         # sharing one token shares that right). Stored with the worker's row
@@ -262,14 +263,16 @@ class Api:
                 if roles is not None and self.auth_enabled:
                     header = request.header(b"authorization") or ""
                     known = self._roles.get(header)
-                    if known is None:
-                        role = auth.role_of(self.plane.store, header)  # 401 if not valid
-                        known = (role, auth.digest_of(header))
+                    if known is None or (known[2] is not None and known[2] <= time.time()):
+                        self._roles.pop(header, None)
+                        # 401 if not valid, or expired
+                        role, expires = auth.role_and_expiry(self.plane.store, header)
+                        known = (role, auth.digest_of(header), expires)
                         if len(self._roles) >= _MAX_CACHED_TOKENS:
                             self._roles.clear()
                         self._roles[header] = known
                     auth.require(known[0], roles)
-                    request.scope[_CALLER] = (*known, header)
+                    request.scope[_CALLER] = (known[0], known[1], header)
                 else:
                     request.scope[_CALLER] = (auth.ADMIN, None, "")
                 # Most requests have no query string: parse none then.
@@ -569,12 +572,9 @@ class Api:
 
     async def create_token(self, request: Request) -> Response:
         body = await _body(request, TokenRequest)
-        return _json(
-            TokenResponse(
-                token=auth.create_token(self.plane.store, body.role, body.name), role=body.role
-            ),
-            201,
-        )
+        expires = None if body.expires_in is None else time.time() + body.expires_in
+        token = auth.create_token(self.plane.store, body.role, body.name, expires=expires)
+        return _json(TokenResponse(token=token, role=body.role, expires=expires), 201)
 
     async def list_tokens(self, request: Request) -> Response:
         return _json(auth.list_tokens(self.plane.store))
@@ -585,13 +585,15 @@ class Api:
         if found is None:
             raise ApiError(404, f"no token {token_id} on this server (see GET /api/v1/tokens)")
         hashed, role = found
-        # Refused only for the last admin token: nothing awaits between the
-        # look-up and here, so no other request has revoked it meanwhile.
+        # Refused only for the last admin token that does not expire: nothing
+        # awaits between the look-up and here, so no other request has
+        # revoked it meanwhile.
         if not self.plane.store.delete_token(hashed, keep_last=auth.ADMIN):
             raise ApiError(
                 409,
-                f"token {token_id} is the last admin token: without it no one could make or "
-                "revoke tokens; make another admin token first",
+                f"token {token_id} is the last admin token that does not expire: without it "
+                "no one could make or revoke tokens once the others expire; make another "
+                "admin token first",
             )
         # The cache would honour the token still. Finding its entries means
         # hashing every cached header (one token may be sent in several

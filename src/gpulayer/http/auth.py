@@ -37,7 +37,11 @@ def digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_token(store: Store, role: str, name: str | None = None) -> str:
+def create_token(
+    store: Store, role: str, name: str | None = None, *, expires: float | None = None
+) -> str:
+    """A new token of ``role``, valid until ``expires`` (seconds since the
+    epoch; None: until revoked)."""
     if role not in ROLES:
         raise GPUlayerError(f"unknown role {role!r}; valid roles: {', '.join(ROLES)}")
     taken = {hashed[:ID_LENGTH] for hashed, *_ in store.list_tokens()}
@@ -46,14 +50,14 @@ def create_token(store: Store, role: str, name: str | None = None) -> str:
         hashed = digest(token)
         if hashed[:ID_LENGTH] not in taken:
             break
-    store.add_token(hashed, role, name, time.time())
+    store.add_token(hashed, role, name, time.time(), expires)
     return token
 
 
 def list_tokens(store: Store) -> list[TokenInfo]:
     return [
-        TokenInfo(id=hashed[:ID_LENGTH], role=role, name=name, created=created)
-        for hashed, role, name, created in store.list_tokens()
+        TokenInfo(id=hashed[:ID_LENGTH], role=role, name=name, created=created, expires=expires)
+        for hashed, role, name, created, expires in store.list_tokens()
     ]
 
 
@@ -61,7 +65,7 @@ def find_token(store: Store, token_id: str) -> tuple[str, str] | None:
     """The sha256 and role of the token with this id, if there is one."""
     if len(token_id) != ID_LENGTH:
         return None  # a shorter prefix may name several
-    for hashed, role, _, _ in store.list_tokens():
+    for hashed, role, *_ in store.list_tokens():
         if hashed.startswith(token_id):
             return hashed, role
     return None
@@ -77,15 +81,25 @@ def digest_of(authorization: str) -> str | None:
 
 def role_of(store: Store, authorization: str | None) -> str:
     """The role behind an ``Authorization: Bearer ...`` header, or AuthError(401)."""
+    return role_and_expiry(store, authorization)[0]
+
+
+def role_and_expiry(store: Store, authorization: str | None) -> tuple[str, float | None]:
+    """The role behind an ``Authorization: Bearer ...`` header and when the
+    token expires (None: never), or AuthError(401), also once it expired."""
     if not authorization:
         raise AuthError(401, "this endpoint needs a token: send 'Authorization: Bearer <token>'")
     hashed = digest_of(authorization)
     if hashed is None:
         raise AuthError(401, "the Authorization header must be 'Bearer <token>'")
-    role = store.token_role(hashed)
-    if role is None:
+    found = store.token_role(hashed)
+    if found is None:
         raise AuthError(401, "the token is not valid on this server")  # never echo the token
-    return role
+    role, expires = found
+    if expires is not None and expires <= time.time():
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expires))
+        raise AuthError(401, f"the token expired at {when}; ask an admin for a new one")
+    return role, expires
 
 
 def require(role: str, allowed: tuple[str, ...]) -> None:

@@ -173,7 +173,7 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
     (
         "delete",
         "/api/v1/tokens/{token_id}",
-        "Revoke an API token (admin); 409 for the last admin token",
+        "Revoke an API token (admin); 409 for the last admin token that does not expire",
         None,
         None,
         {},

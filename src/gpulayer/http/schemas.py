@@ -67,11 +67,14 @@ class RendezvousReport(msgspec.Struct, forbid_unknown_fields=True):
 class TokenRequest(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["admin", "user", "worker"]
     name: str | None = None
+    # Seconds from now until it is refused (None: never); at most ten years.
+    expires_in: Annotated[float, msgspec.Meta(gt=0, le=10 * 365 * 86400)] | None = None
 
 
 class TokenResponse(msgspec.Struct):
     token: str
     role: str
+    expires: float | None = None  # seconds since the epoch; None: never
 
 
 class TokenInfo(msgspec.Struct, kw_only=True):
@@ -82,3 +85,4 @@ class TokenInfo(msgspec.Struct, kw_only=True):
     role: str
     name: str | None
     created: float  # seconds since the epoch
+    expires: float | None = None  # seconds since the epoch; None: never

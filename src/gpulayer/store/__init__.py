@@ -169,25 +169,33 @@ class Store(abc.ABC):
     def count_by_state(self) -> dict[str, int]: ...
 
     @abc.abstractmethod
-    def add_token(self, digest: str, role: str, name: str | None, created: float) -> None: ...
+    def add_token(
+        self,
+        digest: str,
+        role: str,
+        name: str | None,
+        created: float,
+        expires: float | None = None,
+    ) -> None: ...
 
     @abc.abstractmethod
-    def token_role(self, digest: str) -> str | None:
-        """The role of the token whose sha256 is ``digest``, if it exists."""
+    def token_role(self, digest: str) -> tuple[str, float | None] | None:
+        """The role of the token whose sha256 is ``digest`` and when it
+        expires (None: never), if it exists."""
 
     @abc.abstractmethod
     def count_tokens(self, role: str) -> int: ...
 
     @abc.abstractmethod
-    def list_tokens(self) -> list[tuple[str, str, str | None, float]]:
-        """Every token as (sha256, role, name, created), oldest first."""
+    def list_tokens(self) -> list[tuple[str, str, str | None, float, float | None]]:
+        """Every token as (sha256, role, name, created, expires), oldest first."""
 
     @abc.abstractmethod
     def delete_token(self, digest: str, *, keep_last: str | None = None) -> bool:
         """Delete the token whose sha256 is ``digest``. False, with nothing
         deleted, if there is none, or if it is the last token of the role
-        ``keep_last``: one atomic step, so two deletes at once cannot take
-        the last two."""
+        ``keep_last`` that does not expire: one atomic step, so two deletes
+        at once cannot take the last two."""
 
     @abc.abstractmethod
     def worker_bindings(self) -> dict[str, str]:

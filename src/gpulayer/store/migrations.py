@@ -115,6 +115,12 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ALTER TABLE workers ADD COLUMN token_digest TEXT
         """,
     ),
+    # 7: when a token stops being valid (seconds since the epoch; NULL: never).
+    (
+        """
+        ALTER TABLE tokens ADD COLUMN expires REAL
+        """,
+    ),
 )
 
 LATEST = len(MIGRATIONS)

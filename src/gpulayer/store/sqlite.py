@@ -507,17 +507,26 @@ class SqliteStore(Store):
             rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
         return {str(state): int(n) for state, n in rows}
 
-    def add_token(self, digest: str, role: str, name: str | None, created: float) -> None:
+    def add_token(
+        self,
+        digest: str,
+        role: str,
+        name: str | None,
+        created: float,
+        expires: float | None = None,
+    ) -> None:
         with self._guarded:
             self._db.execute(
-                "INSERT INTO tokens (digest, role, name, created) VALUES (?,?,?,?)",
-                (digest, role, name, created),
+                "INSERT INTO tokens (digest, role, name, created, expires) VALUES (?,?,?,?,?)",
+                (digest, role, name, created, expires),
             )
 
-    def token_role(self, digest: str) -> str | None:
+    def token_role(self, digest: str) -> tuple[str, float | None] | None:
         with self._guarded:
-            row = self._db.execute("SELECT role FROM tokens WHERE digest=?", (digest,)).fetchone()
-        return None if row is None else str(row[0])
+            row = self._db.execute(
+                "SELECT role, expires FROM tokens WHERE digest=?", (digest,)
+            ).fetchone()
+        return None if row is None else (str(row[0]), None if row[1] is None else float(row[1]))
 
     def count_tokens(self, role: str) -> int:
         with self._guarded:
@@ -525,12 +534,15 @@ class SqliteStore(Store):
                 self._db.execute("SELECT COUNT(*) FROM tokens WHERE role=?", (role,)).fetchone()[0]
             )
 
-    def list_tokens(self) -> list[tuple[str, str, str | None, float]]:
+    def list_tokens(self) -> list[tuple[str, str, str | None, float, float | None]]:
         with self._guarded:
             rows = self._db.execute(
-                "SELECT digest, role, name, created FROM tokens ORDER BY created, digest"
+                "SELECT digest, role, name, created, expires FROM tokens ORDER BY created, digest"
             ).fetchall()
-        return [(str(d), str(role), name, float(created)) for d, role, name, created in rows]
+        return [
+            (str(d), str(role), name, float(created), None if expires is None else float(expires))
+            for d, role, name, created, expires in rows
+        ]
 
     def worker_bindings(self) -> dict[str, str]:
         with self._guarded:
@@ -543,8 +555,8 @@ class SqliteStore(Store):
         with self._guarded:
             return (
                 self._db.execute(
-                    "DELETE FROM tokens WHERE digest=? AND (role IS NOT ? OR "
-                    "(SELECT COUNT(*) FROM tokens WHERE role=?) > 1)",
+                    "DELETE FROM tokens WHERE digest=? AND (role IS NOT ? OR expires IS NOT NULL "
+                    "OR (SELECT COUNT(*) FROM tokens WHERE role=? AND expires IS NULL) > 1)",
                     (digest, keep_last, keep_last),
                 ).rowcount
                 == 1

@@ -547,10 +547,15 @@ class HttpTransport(Transport):
         except OSError:
             return socket.gethostname()
 
-    def create_token(self, role: str, name: str | None = None) -> str:
-        made = self._call(
-            "POST", "/api/v1/tokens", _Token, body=_encode({"role": role, "name": name})
-        )
+    def create_token(
+        self, role: str, name: str | None = None, *, expires_in: float | None = None
+    ) -> str:
+        """A new token (needs an admin token), refused ``expires_in`` seconds
+        from now (None: valid until revoked)."""
+        request: dict[str, object] = {"role": role, "name": name}
+        if expires_in is not None:
+            request["expires_in"] = expires_in
+        made = self._call("POST", "/api/v1/tokens", _Token, body=_encode(request))
         return made.token
 
     def list_tokens(self) -> list[TokenInfo]:
