@@ -595,6 +595,7 @@ def _admin_transport(ctx: click.Context) -> HttpTransport:
 
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_TEN_YEARS_S = 10 * 365 * 86400  # as the server's limit
 
 
 def _duration(value: str | None) -> float | None:
@@ -603,9 +604,10 @@ def _duration(value: str | None) -> float | None:
         return None
     match = _DURATION.fullmatch(value)
     seconds = float(match[1]) * _UNIT_S[match[2]] if match else 0.0
-    if seconds <= 0:
+    if not 0 < seconds <= _TEN_YEARS_S:  # also inf, from a number too long
         raise click.BadParameter(
-            f"{value!r} is not a duration; give one such as 90m, 12h, 30d or 2w",
+            f"{value!r} is not a duration of at most ten years; give one such as 90m, 12h, "
+            "30d or 2w",
             param_hint="--expires-in",
         )
     return seconds
@@ -617,8 +619,7 @@ def _duration(value: str | None) -> float | None:
 @click.option(
     "--expires-in",
     metavar="DURATION",
-    help="Refuse it after this long (90m, 12h, 30d, 2w; default: valid until revoked). "
-    "Not for admin tokens.",
+    help="Refuse it after this long (90m, 12h, 30d, 2w; default: valid until revoked).",
 )
 @click.pass_context
 def token_create(ctx: click.Context, role: str, name: str | None, expires_in: str | None) -> None:

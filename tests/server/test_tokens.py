@@ -215,7 +215,7 @@ def test_token_list_and_revoke_from_the_command_line(server: ServerProc) -> None
     assert rows[2][5:] == ["never"]
     expires = time.mktime(time.strptime(" ".join(rows[3][5:7]), "%Y-%m-%d %H:%M:%S"))
     assert abs(expires - (time.time() + 2 * 86400)) < 120
-    for bad in ("soon", "0", "-1h", "3y", "1.5.2d"):
+    for bad in ("soon", "0", "-1h", "3y", "1.5.2d", "3651d", "9" * 400):
         refused = _gl(
             "create", "--role", "user", "--expires-in", bad, server=server, token=server.admin
         )
@@ -321,13 +321,18 @@ def _in_process(store: SqliteStore, tmp_path: Path) -> tuple[ControlPlane, Any, 
     return plane, app, auth.create_token(store, "admin"), auth.create_token(store, "worker")
 
 
-def test_a_registration_whose_body_comes_after_the_revoke_registers_nothing(
-    store: SqliteStore, tmp_path: Path
+@pytest.mark.parametrize("ends", ["revoked", "expires"])
+def test_a_registration_whose_body_comes_after_the_token_ends_registers_nothing(
+    store: SqliteStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ends: str
 ) -> None:
-    """The token is checked when the headers arrive; revoked while the body is
-    on its way, it must not register a worker nothing can hear (jobs would be
-    placed on it, and end lost unrun)."""
+    """The token is checked when the headers arrive; revoked, or expired, while
+    the body is on its way, it must not register a worker nothing can hear
+    (jobs would be placed on it, and end lost unrun)."""
     plane, app, admin, box = _in_process(store, tmp_path)
+    clock = [time.time()]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    if ends == "expires":
+        box = auth.create_token(store, "worker", expires=clock[0] + 60)
 
     async def scenario() -> tuple[int, int]:
         reading, body_may_come = asyncio.Event(), asyncio.Event()
@@ -352,12 +357,21 @@ def test_a_registration_whose_body_comes_after_the_revoke_registers_nothing(
         async def send(message: dict[str, Any]) -> None:
             sent.append(message)
 
+        # Its role is cached first, as for a worker that made requests before
+        # (the guard caches it before it refuses what a worker may not do).
+        assert (await asgi_request(app, "GET", "/api/v1/workers", token=box))[0] == 403
         registering = asyncio.create_task(app(scope, receive, send))
         await asyncio.wait_for(reading.wait(), 10)
-        revoked, _, _ = await asgi_request(app, "DELETE", f"/api/v1/tokens/{_id(box)}", token=admin)
+        if ends == "revoked":
+            ended, _, _ = await asgi_request(
+                app, "DELETE", f"/api/v1/tokens/{_id(box)}", token=admin
+            )
+        else:
+            clock[0] += 61
+            ended = 204
         body_may_come.set()
         await asyncio.wait_for(registering, 10)
-        return revoked, sent[0]["status"]
+        return ended, sent[0]["status"]
 
     assert asyncio.run(scenario()) == (204, 401)
     assert plane.list_workers() == []
@@ -400,14 +414,51 @@ def test_a_revoke_whose_worker_removal_the_store_refused_still_places_nothing_on
     assert refused == (201, 204)
     job = plane.submit(parse_spec({"command": [PY, "-c", "pass"], "max_retries": 0}))
     assert job.state == "queued", f"placed on {job.worker}, a worker whose token is revoked"
-    # Still bound to the revoked token until it is reaped: no other token takes it over.
-    (worker,) = plane.list_workers()
+
+
+@pytest.mark.parametrize("ends", ["revoked while the store refused its removal", "expires"])
+def test_a_worker_whose_token_went_unheard_is_taken_over_but_not_its_tasks(
+    store: SqliteStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ends: str
+) -> None:
+    """Its token revoked while the store refused the worker's removal, or
+    expired while it could not say so, the worker stays bound to a dead
+    token. The one started again on its home with a new token takes over its
+    id, but its running job ends first: no token takes over a task."""
+    plane, app, admin, box = _in_process(store, tmp_path)
     other = auth.create_token(store, "worker")
-    takeover = {"worker": {**_WORKER["worker"], "id": worker.id}}
-    status, _, _ = asyncio.run(
-        asgi_request(app, "POST", "/api/v1/workers", body=takeover, token=other)
-    )
-    assert status == 403
+    clock = [time.time()]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    if ends == "expires":
+        box = auth.create_token(store, "worker", expires=clock[0] + 60)
+
+    async def scenario() -> tuple[int, int, list[Any]]:
+        _, _, info = await asgi_request(app, "POST", "/api/v1/workers", body=_WORKER, token=box)
+        job = plane.submit(parse_spec({"command": [PY, "-c", "pass"], "max_retries": 0}))
+        acquire = f"/api/v1/workers/{info['id']}/acquire"
+        await asgi_request(app, "POST", acquire, "timeout=0", token=box)
+        if ends == "expires":
+            clock[0] += 61
+            revoked = 204
+        else:
+            refuse_commits(store, 1)
+            revoked, _, _ = await asgi_request(
+                app, "DELETE", f"/api/v1/tokens/{_id(box)}", token=admin
+            )
+        assert plane.get(job.id).state == "running"  # nothing removed it yet
+        takeover = {
+            "worker": {**_WORKER["worker"], "id": info["id"]},
+            "running": [[job.id, 1]],
+            "adopted": True,
+        }
+        taken, _, _ = await asgi_request(app, "POST", "/api/v1/workers", body=takeover, token=other)
+        _, _, told = await asgi_request(app, "POST", acquire, "timeout=0", token=other)
+        return revoked, taken, told
+
+    revoked, taken, told = asyncio.run(scenario())
+    assert (revoked, taken) == (204, 201)
+    (job,) = plane.list_jobs()
+    assert (job.state, job.reason) == ("lost", "its worker's token expired or was revoked")
+    assert [(t["type"], t["job_id"]) for t in told] == [("cancel", job.id)]  # end it
 
 
 def test_a_worker_declared_lost_can_come_back_under_its_id_with_another_token(
@@ -557,3 +608,29 @@ def test_a_bad_expiry_is_a_422_naming_it(
     )
     assert status == 422 and "$.expires_in" in answer["error"], answer
     assert len(store.list_tokens()) == 2  # nothing made
+
+
+def test_a_long_poll_ends_when_its_token_expires_and_hands_nothing_out(
+    store: SqliteStore, tmp_path: Path
+) -> None:
+    """A worker's long poll open on a token that expires ends then, empty;
+    its next request is refused, and the server removes the worker, so the
+    job submitted meanwhile stays queued rather than going to a worker that
+    can no longer be heard."""
+    plane, app, _, _ = _in_process(store, tmp_path)
+    box = auth.create_token(store, "worker", expires=time.time() + 0.5)
+
+    async def scenario() -> tuple[int, Any, int]:
+        _, _, info = await asgi_request(app, "POST", "/api/v1/workers", body=_WORKER, token=box)
+        acquire = f"/api/v1/workers/{info['id']}/acquire"
+        status, _, taken = await asgi_request(app, "POST", acquire, "timeout=60", token=box)
+        refused, _, _ = await asgi_request(app, "POST", acquire, "timeout=0", token=box)
+        return status, taken, refused
+
+    started = time.monotonic()
+    status, taken, refused = asyncio.run(scenario())
+    assert (status, taken, refused) == (200, [], 401)
+    assert time.monotonic() - started < 30  # ended at the expiry, not after its 60 s
+    assert plane.list_workers() == []
+    job = plane.submit(parse_spec({"command": [PY, "-c", "pass"], "max_retries": 0}))
+    assert job.state == "queued"

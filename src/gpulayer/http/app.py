@@ -192,6 +192,14 @@ def _role(request: Request) -> str:
     return role
 
 
+def _poll_timeout(request: Request, default: float) -> float:
+    """A long poll's ``timeout`` query parameter, cut to end when the caller's
+    token expires: nothing is handed out on an expired token."""
+    timeout = _query_float(request, "timeout", default)
+    expires: float | None = request.scope[_CALLER][2]
+    return timeout if expires is None else max(0.0, min(timeout, expires - time.time()))
+
+
 async def until_signal(
     plane: ControlPlane,
     subscribe: Callable[[Callable[[], None]], Unsubscribe | None],
@@ -265,16 +273,14 @@ class Api:
                     known = self._roles.get(header)
                     if known is None or (known[2] is not None and known[2] <= time.time()):
                         self._roles.pop(header, None)
-                        # 401 if not valid, or expired
-                        role, expires = auth.role_and_expiry(self.plane.store, header)
-                        known = (role, auth.digest_of(header), expires)
+                        known = self._caller(header)  # 401 if not valid, or expired
                         if len(self._roles) >= _MAX_CACHED_TOKENS:
                             self._roles.clear()
                         self._roles[header] = known
                     auth.require(known[0], roles)
-                    request.scope[_CALLER] = (known[0], known[1], header)
+                    request.scope[_CALLER] = (*known, header)
                 else:
-                    request.scope[_CALLER] = (auth.ADMIN, None, "")
+                    request.scope[_CALLER] = (auth.ADMIN, None, None, "")
                 # Most requests have no query string: parse none then.
                 unknown = (
                     sorted(set(request.query) - set(query))
@@ -337,13 +343,13 @@ class Api:
 
     async def wait_job(self, request: Request) -> Response:
         job_id = self.plane.resolve(request.path_params["job_id"])
-        return _json(await self._wait(job_id, _query_float(request, "timeout", 30.0)))
+        return _json(await self._wait(job_id, _poll_timeout(request, 30.0)))
 
     async def wait_jobs(self, request: Request) -> Response:
         """Wait for one job, and bring the records of the others asked about
         that are final by then."""
         body = await _body(request, WaitRequest)
-        timeout = _query_float(request, "timeout", 30.0)
+        timeout = _poll_timeout(request, 30.0)
         job = await self._wait(self.plane.resolve(body.id), timeout)
         also, unknown = self.plane.finals(body.also)
         return _json(WaitReply(job=job, also=also, unknown=unknown))
@@ -354,7 +360,7 @@ class Api:
     async def job_logs(self, request: Request) -> Response:
         job_id = self.plane.resolve(request.path_params["job_id"])
         after = (_query_int(request, "attempt", 0), _query_int(request, "seq", 0))
-        timeout = _query_float(request, "timeout", 0.0)
+        timeout = _poll_timeout(request, 0.0)
         chunk = self.plane.logs_after(job_id, after)
         if chunk.lines or chunk.done or timeout <= 0:
             return _json(chunk)
@@ -424,7 +430,7 @@ class Api:
     def _check_owner(self, request: Request, worker_id: str) -> None:
         """A worker token may act only for a worker it registered (or one
         not bound since the server started: it registers again soon)."""
-        role, digest, _ = request.scope[_CALLER]
+        role, digest, _, _ = request.scope[_CALLER]
         if role != auth.WORKER:
             return  # admins (and servers without auth) act for any worker
         owner = self._owners.get(worker_id)
@@ -435,6 +441,12 @@ class Api:
                 # another token.
                 del self._owners[worker_id]
                 return
+            if not self._valid(owner):
+                # Its token expired or went while it could not say so (no
+                # request of its came since): the worker started again on
+                # its home, with a new token, takes over from it.
+                self._drop_workers_of(owner, "its worker's token expired or was revoked")
+                return
             raise auth.AuthError(
                 403,
                 f"worker {worker_id} was registered with another token; this one cannot act for it",
@@ -442,10 +454,14 @@ class Api:
 
     async def register(self, request: Request) -> Response:
         body = await _body(request, RegisterRequest, _REPORT_MAX)
-        _, digest, token = request.scope[_CALLER]
-        if self.auth_enabled and token and token not in self._roles:
-            # Revoked while its body came? (a revoke empties the cache)
-            auth.role_of(self.plane.store, token)
+        _, digest, expires, token = request.scope[_CALLER]
+        if (
+            self.auth_enabled
+            and token
+            and (token not in self._roles or (expires is not None and expires <= time.time()))
+        ):
+            # Revoked (a revoke empties the cache), or expired, while its body came?
+            self._caller(token)
         if body.worker.id:  # coming back under its id: only with the token it had
             self._check_owner(request, body.worker.id)
         running = [(j, a) for j, a in body.running]
@@ -480,7 +496,7 @@ class Api:
         first one's number is in the ``X-GPUlayer-Seq`` header."""
         worker_id = request.path_params["worker_id"]
         self._check_owner(request, worker_id)
-        timeout = _query_float(request, "timeout", 30.0)
+        timeout = _poll_timeout(request, 30.0)
         numbered = "ack" in request.query
         ack: list[int | None] = [_query_int(request, "ack", 0) if numbered else None]
         registration = _query_generation(request)
@@ -603,21 +619,37 @@ class Api:
         # nothing more is placed on them and their tasks are retried or end,
         # and their ids are free for the worker started again with a valid
         # token (the next one on a home adopts the id, see ledger.py).
-        for worker_id, owner in list(self._owners.items()):
-            if owner != hashed:
-                continue
-            try:
-                # It can take nothing more: what waits in its inbox never ran.
-                self.plane.unregister_worker(worker_id, "its worker's token was revoked", said=True)
-                del self._owners[worker_id]
-            except StoreError:  # the token is gone all the same: the reaper ends it
-                # Still bound to the revoked token, so that no token acts for it.
-                self.plane.close_worker(worker_id)
-                log.warning(
-                    "worker %s of revoked token %s stays until it is reaped", worker_id, token_id
-                )
+        self._drop_workers_of(hashed, "its worker's token was revoked")
         log.info("token %s (%s) revoked", token_id, role)
         return Response(status=204)
+
+    def _caller(self, header: str) -> tuple[str, str | None, float | None]:
+        """The role, sha256 and expiry of the token in ``header``, or
+        AuthError(401). An expired token's workers go, as a revoked one's."""
+        try:
+            role, expires = auth.role_and_expiry(self.plane.store, header)
+        except auth.TokenExpired as exc:
+            self._drop_workers_of(exc.digest, "its worker's token expired")
+            raise
+        return role, auth.digest_of(header), expires
+
+    def _valid(self, digest: str) -> bool:
+        found = self.plane.store.token_role(digest)
+        return found is not None and (found[1] is None or found[1] > time.time())
+
+    def _drop_workers_of(self, digest: str, reason: str) -> None:
+        """Remove the workers the token ``digest`` registered: it cannot be
+        heard any more. What waits in their inboxes never ran."""
+        for worker_id, owner in list(self._owners.items()):
+            if owner != digest:
+                continue
+            try:
+                self.plane.unregister_worker(worker_id, reason, said=True)
+                del self._owners[worker_id]
+            except StoreError:  # the reaper ends it
+                # Still bound to the token, so that no other token acts for it.
+                self.plane.close_worker(worker_id)
+                log.warning("worker %s (%s) stays until it is reaped", worker_id, reason)
 
     async def health(self, request: Request) -> Response:
         return _json({"ok": True})

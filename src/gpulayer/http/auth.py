@@ -33,6 +33,15 @@ class AuthError(GPUlayerError):
         super().__init__(message)
 
 
+class TokenExpired(AuthError):
+    """A token that was valid until ``expires``: 401."""
+
+    def __init__(self, digest: str, expires: float) -> None:
+        self.digest = digest
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expires))
+        super().__init__(401, f"the token expired at {when}; ask an admin for a new one")
+
+
 def digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -97,8 +106,7 @@ def role_and_expiry(store: Store, authorization: str | None) -> tuple[str, float
         raise AuthError(401, "the token is not valid on this server")  # never echo the token
     role, expires = found
     if expires is not None and expires <= time.time():
-        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expires))
-        raise AuthError(401, f"the token expired at {when}; ask an admin for a new one")
+        raise TokenExpired(hashed, expires)
     return role, expires
 
 
