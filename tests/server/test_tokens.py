@@ -450,6 +450,15 @@ def test_a_worker_whose_token_went_unheard_is_taken_over_but_not_its_tasks(
             "running": [[job.id, 1]],
             "adopted": True,
         }
+        # While the store refuses the old worker's removal, it keeps its tasks:
+        # nothing is let through for it (a 503: try again).
+        refuse_commits(store, 2)  # one removal each
+        acquire_other = await asgi_request(app, "POST", acquire, "timeout=0", token=other)
+        refused, _, _ = await asgi_request(
+            app, "POST", "/api/v1/workers", body=takeover, token=other
+        )
+        assert (acquire_other[0], refused) == (503, 503), acquire_other
+        assert plane.get(job.id).state == "running"
         taken, _, _ = await asgi_request(app, "POST", "/api/v1/workers", body=takeover, token=other)
         _, _, told = await asgi_request(app, "POST", acquire, "timeout=0", token=other)
         return revoked, taken, told

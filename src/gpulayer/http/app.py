@@ -446,7 +446,10 @@ class Api:
                 # request of its came since): the worker started again on
                 # its home, with a new token, takes over from it.
                 self._drop_workers_of(owner, "its worker's token expired or was revoked")
-                return
+                if not self.plane.has_worker(worker_id):
+                    return
+                # The store refused its removal: it still holds its tasks.
+                raise ApiError(503, f"worker {worker_id} could not be removed yet; try again")
             raise auth.AuthError(
                 403,
                 f"worker {worker_id} was registered with another token; this one cannot act for it",
