@@ -428,8 +428,8 @@ class Api:
     # ---- workers ----
 
     def _check_owner(self, request: Request, worker_id: str) -> None:
-        """A worker token may act only for a worker it registered (or one
-        not bound since the server started: it registers again soon)."""
+        """A worker token may act only for a worker it registered, or one no
+        token is bound to (registered while the server ran without auth)."""
         role, digest, _, _ = request.scope[_CALLER]
         if role != auth.WORKER:
             return  # admins (and servers without auth) act for any worker
