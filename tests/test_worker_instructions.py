@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -21,6 +23,8 @@ from gpulayer.worker.task import TaskRun
 from gpulayer.worker.worker import Worker
 
 from helpers import PY, record_registrations
+
+T = TypeVar("T", bound=InProcessTransport)
 
 
 def _cancels(*ids: str) -> list[Instruction]:
@@ -53,12 +57,27 @@ class _HeldPoll(InProcessTransport):
         return []
 
 
-def test_a_cancel_that_comes_before_its_task_stops_it_from_starting(home: Path) -> None:
+@contextmanager
+def _one_slot_worker(
+    home: Path, make: Callable[[Embedded], T], *, stop: float = 30.0
+) -> Iterator[tuple[Embedded, T, Worker]]:
+    """A one-slot worker (not started) on ``make(embedded)``'s transport, stopped
+    and its control plane closed afterwards; a held long poll is let go first."""
     embedded = Embedded(home)
-    transport = _HeldPoll(embedded)
+    transport = make(embedded)
     worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
-    marker = home / "it-ran"
     try:
+        yield embedded, transport, worker
+    finally:
+        if isinstance(transport, _HeldPoll):
+            transport.closed.set()
+        worker.stop(timeout=stop)
+        embedded.close()
+
+
+def test_a_cancel_that_comes_before_its_task_stops_it_from_starting(home: Path) -> None:
+    with _one_slot_worker(home, _HeldPoll) as (embedded, transport, worker):
+        marker = home / "it-ran"
         worker.start()
         job = transport.submit(parse_spec({"command": [PY, "-c", f"open({str(marker)!r}, 'w')"]}))
         (task,) = embedded.plane.take_instructions(worker.id)
@@ -71,10 +90,6 @@ def test_a_cancel_that_comes_before_its_task_stops_it_from_starting(home: Path) 
         final = embedded.plane.wait(job.id, timeout=60)
         assert final.state == "cancelled"
         assert "started" not in final.marks and not marker.exists()
-    finally:
-        transport.closed.set()
-        worker.stop(timeout=30)
-        embedded.close()
 
 
 class _TakeOnFinish(_HeldPoll):
@@ -89,18 +104,15 @@ def test_a_task_in_a_finished_reply_is_run_by_the_reporting_thread(home: Path) -
     """In a stream of jobs, each next one is supervised by the thread that
     reported the last: its own thread is never started. It is still a task
     like any other: its output is kept, and it can be cancelled."""
-    embedded = Embedded(home)
-    transport = _TakeOnFinish(embedded)
-    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
-    ran: list[TaskRun] = []
-    task_done = worker._task_done
+    with _one_slot_worker(home, _TakeOnFinish) as (embedded, transport, worker):
+        ran: list[TaskRun] = []
+        task_done = worker._task_done
 
-    def spy(run: TaskRun) -> None:
-        ran.append(run)
-        task_done(run)
+        def spy(run: TaskRun) -> None:
+            ran.append(run)
+            task_done(run)
 
-    worker._task_done = spy  # type: ignore[method-assign]
-    try:
+        worker._task_done = spy  # type: ignore[method-assign]
         worker.start()
         jobs = [
             transport.submit(parse_spec({"command": [PY, "-c", f"print('job {i}')"]}))
@@ -125,29 +137,22 @@ def test_a_task_in_a_finished_reply_is_run_by_the_reporting_thread(home: Path) -
         assert [r.task.job_id for r in ran] == [j.id for j in [*jobs, sleeper]]
         started = [r.thread is not None for r in ran]
         assert started == [True, False, False, False]
-    finally:
-        transport.closed.set()
-        worker.stop(timeout=30)
-        embedded.close()
 
 
 def test_a_handed_over_task_runs_even_if_tidying_after_the_last_failed(home: Path) -> None:
     """Tidying up after a task (its folder, the ledger) can fail, a full disk
     say; the task that came in its finished reply must still be watched."""
-    embedded = Embedded(home)
-    transport = _TakeOnFinish(embedded)
-    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
-    task_done = worker._task_done
-    failed = []
+    with _one_slot_worker(home, _TakeOnFinish) as (embedded, transport, worker):
+        task_done = worker._task_done
+        failed = []
 
-    def full_disk_once(run: TaskRun) -> None:
-        task_done(run)
-        if not failed:
-            failed.append(run.task.job_id)
-            raise OSError(28, "No space left on device")
+        def full_disk_once(run: TaskRun) -> None:
+            task_done(run)
+            if not failed:
+                failed.append(run.task.job_id)
+                raise OSError(28, "No space left on device")
 
-    worker._task_done = full_disk_once  # type: ignore[method-assign]
-    try:
+        worker._task_done = full_disk_once  # type: ignore[method-assign]
         worker.start()
         first, second = (
             transport.submit(parse_spec({"command": [PY, "-c", "pass"]})) for _ in range(2)
@@ -156,35 +161,24 @@ def test_a_handed_over_task_runs_even_if_tidying_after_the_last_failed(home: Pat
         assert embedded.plane.wait(first.id, timeout=60).state == "succeeded"
         assert embedded.plane.wait(second.id, timeout=60).state == "succeeded"
         assert failed == [first.id]
-    finally:
-        transport.closed.set()
-        worker.stop(timeout=30)
-        embedded.close()
 
 
 def test_a_task_whose_tidying_up_fails_still_reports_its_end(home: Path) -> None:
     """Closing a task's log (or joining its terminators) can fail; the task's
     result must still be reported and the task let go, or its job runs on
     forever and the worker's stop waits for it."""
-    embedded = Embedded(home)
-    transport = _HeldPoll(embedded)
-    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
+    with _one_slot_worker(home, _HeldPoll) as (embedded, transport, worker):
 
-    def full_disk(task: object) -> None:
-        raise OSError(28, "No space left on device")
+        def full_disk(task: object) -> None:
+            raise OSError(28, "No space left on device")
 
-    worker._logs.close_task = full_disk  # type: ignore[method-assign,assignment]
-    try:
+        worker._logs.close_task = full_disk  # type: ignore[method-assign,assignment]
         worker.start()
         job = transport.submit(parse_spec({"command": [PY, "-c", "pass"]}))
         worker._handle(embedded.plane.take_instructions(worker.id))
         assert embedded.plane.wait(job.id, timeout=60).state == "succeeded"
         with worker._tasks_lock:
             assert worker._idle.wait_for(lambda: not worker._tasks, timeout=30)
-    finally:
-        transport.closed.set()
-        worker.stop(timeout=30)
-        embedded.close()
 
 
 def test_a_terminator_is_listed_only_once_started(
@@ -192,10 +186,7 @@ def test_a_terminator_is_listed_only_once_started(
 ) -> None:
     """A task's thread joins every terminator listed; one listed before its
     start, by a cancel on another thread, made that join raise."""
-    embedded = Embedded(home)
-    transport = _HeldPoll(embedded)
-    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
-    try:
+    with _one_slot_worker(home, _HeldPoll) as (embedded, transport, worker):
         worker.start()
         job = transport.submit(
             parse_spec({"command": [PY, "-c", "import time; print('up'); time.sleep(60)"]})
@@ -218,10 +209,6 @@ def test_a_terminator_is_listed_only_once_started(
         assert embedded.plane.wait(job.id, timeout=60).state == "cancelled"
         monkeypatch.undo()
         assert listed_at_start == [False]
-    finally:
-        transport.closed.set()
-        worker.stop(timeout=30)
-        embedded.close()
 
 
 class _UnknownAndAway(InProcessTransport):
@@ -249,15 +236,9 @@ class _UnknownAndAway(InProcessTransport):
 
 
 def test_a_worker_whose_registration_goes_unanswered_backs_off(home: Path) -> None:
-    embedded = Embedded(home)
-    transport = _UnknownAndAway(embedded)
-    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
-    try:
+    with _one_slot_worker(home, _UnknownAndAway, stop=5) as (_, transport, worker):
         worker.start()
         assert transport.enough.wait(30)
-    finally:
-        worker.stop(timeout=5)
-        embedded.close()
     first, second, third = transport.attempts[:3]
     # It waits (0.05 s, then 0.1 s; with room for a coarse clock), where it had
     # asked again within microseconds.
@@ -394,17 +375,11 @@ class _Garbled(InProcessTransport):
 
 
 def test_a_long_poll_reply_it_cannot_read_does_not_end_the_worker(home: Path) -> None:
-    embedded = Embedded(home)
-    transport = _Garbled(embedded)
-    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
-    try:
+    with _one_slot_worker(home, _Garbled) as (embedded, transport, worker):
         worker.start()
         job = transport.submit(parse_spec({"command": [PY, "-c", "pass"]}))
         assert embedded.plane.wait(job.id, timeout=30).state == "succeeded"
         assert transport.garbled == 1 and worker.gave_up is None
-    finally:
-        worker.stop(timeout=30)
-        embedded.close()
 
 
 class _ForgotThenRefusesRegistration(InProcessTransport):
@@ -439,16 +414,14 @@ def test_a_registration_again_whose_reply_it_cannot_read_is_tried_again(home: Pa
     """A long poll answered 409 leads to registering again; a reply to that it
     cannot read (a proxy's page) must not end the acquire thread, or the worker
     serves nothing again while its heartbeats keep it quiet."""
-    embedded = Embedded(home)
-    transport = _ForgotThenRefusesRegistration(embedded, ValueError("not JSON"))
-    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
-    try:
+    with _one_slot_worker(
+        home,
+        lambda embedded: _ForgotThenRefusesRegistration(embedded, ValueError("not JSON")),
+        stop=10,
+    ) as (_, transport, worker):
         worker.start()
         assert transport.registered_again.wait(15)
         assert worker.gave_up is None
-    finally:
-        worker.stop(timeout=10)
-        embedded.close()
 
 
 def test_a_registration_again_refused_for_its_token_gives_up(home: Path) -> None:
@@ -478,15 +451,11 @@ class _LogsRefused(InProcessTransport):
 def test_a_task_whose_last_log_lines_are_refused_still_reports_its_end(home: Path) -> None:
     """Its last lines go before its result; refused, they must not keep the
     result from going, or the worker from letting the task go."""
-    embedded = Embedded(home)
-    transport = _LogsRefused(embedded.plane, embedded.artifacts)
-    worker = Worker(transport, cache=embedded.artifacts, work_dir=home / "w", slots=1)
-    try:
+    with _one_slot_worker(
+        home, lambda embedded: _LogsRefused(embedded.plane, embedded.artifacts), stop=5
+    ) as (embedded, transport, worker):
         worker.start()
         job = transport.submit(parse_spec({"command": [PY, "-c", "print('hello')"]}))
         assert embedded.plane.wait(job.id, timeout=20).state == "succeeded"
         with worker._tasks_lock:
             assert worker._idle.wait_for(lambda: not worker._tasks, timeout=30)
-    finally:
-        worker.stop(timeout=5)
-        embedded.close()
