@@ -251,7 +251,7 @@ class Api:
         # job would otherwise hash its token and query the store. A token's
         # role never changes; a revocation empties it (see revoke_token).
         # header -> role, sha256, expiry (None: never)
-        self._roles: dict[str, tuple[str, str | None, float | None]] = {}
+        self._roles: dict[str, tuple[str, str, float | None]] = {}
         # Which token (its sha256) registered each worker: a worker token acts
         # only for the workers it registered, not for others' (a fleet
         # sharing one token shares that right). Stored with the worker's row
@@ -626,15 +626,14 @@ class Api:
         log.info("token %s (%s) revoked", token_id, role)
         return Response(status=204)
 
-    def _caller(self, header: str) -> tuple[str, str | None, float | None]:
+    def _caller(self, header: str) -> tuple[str, str, float | None]:
         """The role, sha256 and expiry of the token in ``header``, or
         AuthError(401). An expired token's workers go, as a revoked one's."""
         try:
-            role, expires = auth.role_and_expiry(self.plane.store, header)
+            return auth.caller_of(self.plane.store, header)
         except auth.TokenExpired as exc:
             self._drop_workers_of(exc.digest, "its worker's token expired")
             raise
-        return role, auth.digest_of(header), expires
 
     def _valid(self, digest: str) -> bool:
         found = self.plane.store.token_role(digest)

@@ -88,14 +88,10 @@ def digest_of(authorization: str) -> str | None:
     return digest(token.strip())
 
 
-def role_of(store: Store, authorization: str | None) -> str:
-    """The role behind an ``Authorization: Bearer ...`` header, or AuthError(401)."""
-    return role_and_expiry(store, authorization)[0]
-
-
-def role_and_expiry(store: Store, authorization: str | None) -> tuple[str, float | None]:
-    """The role behind an ``Authorization: Bearer ...`` header and when the
-    token expires (None: never), or AuthError(401), also once it expired."""
+def caller_of(store: Store, authorization: str | None) -> tuple[str, str, float | None]:
+    """The role behind an ``Authorization: Bearer ...`` header, the token's
+    sha256 and when it expires (None: never); or AuthError(401), also once it
+    expired (TokenExpired)."""
     if not authorization:
         raise AuthError(401, "this endpoint needs a token: send 'Authorization: Bearer <token>'")
     hashed = digest_of(authorization)
@@ -107,7 +103,7 @@ def role_and_expiry(store: Store, authorization: str | None) -> tuple[str, float
     role, expires = found
     if expires is not None and expires <= time.time():
         raise TokenExpired(hashed, expires)
-    return role, expires
+    return role, hashed, expires
 
 
 def require(role: str, allowed: tuple[str, ...]) -> None:
