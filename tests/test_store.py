@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from gpulayer.errors import StoreError
-from gpulayer.jobs import JobInfo, LogLine, WorkerInfo
+from gpulayer.jobs import JobInfo, LogLine, TaskInfo, WorkerInfo
 from gpulayer.spec import JobSpec
 from gpulayer.store.migrations import LATEST, MIGRATIONS
 from gpulayer.store.sqlite import SqliteStore
@@ -37,6 +37,31 @@ def test_new_store_is_migrated_and_reopens_with_its_data(tmp_path: Path) -> None
     assert again.worker_bindings() == {"w1": "c" * 64}  # the last one holds; none without auth
     assert {w.id for w in again.list_workers()} == {"w1", "w3"}
     again.close()
+
+
+def test_the_workers_of_a_requeued_attempt_are_kept_for_its_late_log_lines(
+    tmp_path: Path,
+) -> None:
+    store = SqliteStore(tmp_path / "db.sqlite")
+    gang = [TaskInfo(node=0, worker="w0"), TaskInfo(node=1, worker="w1")]
+    with store.transaction() as tx:
+        for job_id in ("one", "gang"):
+            tx.insert_job(JobInfo(id=job_id, spec=JobSpec(command=["x"]), seq=1))
+        tx.place("one", worker="w0", slots=[0], gpus=[], attempt=1, at=1.0)
+        tx.place("gang", worker="w0", slots=[0], gpus=[], attempt=1, at=1.0, tasks=gang)
+    assert [store.task_worker("one", 1, n) for n in (0, 1)] == ["w0", None]
+    assert [store.task_worker("gang", 1, n) for n in (0, 1, 2)] == ["w0", "w1", None]
+    with store.transaction() as tx:
+        for job_id in ("one", "gang"):
+            tx.requeue(job_id, reason="retrying: lost", owner="s")
+    # Queued again, the rows name no worker: the history answers.
+    assert [store.task_worker("one", 1, n) for n in (0, 1)] == ["w0", None]
+    assert [store.task_worker("gang", 1, n) for n in (0, 1)] == ["w0", "w1"]
+    with store.transaction() as tx:
+        tx.place("one", worker="w2", slots=[0], gpus=[], attempt=2, at=2.0)
+    assert [store.task_worker("one", a) for a in (1, 2, 3)] == ["w0", "w2", None]
+    assert store.task_worker("nosuchjob", 1) is None
+    store.close()
 
 
 def test_a_store_of_an_older_schema_is_brought_up_to_date_with_its_jobs(tmp_path: Path) -> None:

@@ -81,6 +81,85 @@ def test_a_worker_token_cannot_act_for_a_worker_an_admin_registered(tmp_path: Pa
     assert asyncio.run(scenario()) == [403, 403, 403]
 
 
+def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Path) -> None:
+    """Also to an attempt that ended in a retry (its worker was cut off), and
+    after a restart of the server."""
+    app, plane, _ = _app(tmp_path, "s1")
+    ta, tb = (auth.create_token(plane.store, "worker") for _ in "ab")
+    user = auth.create_token(plane.store, "user")
+
+    def batch(wid: str | None, attempt: int, text: str) -> dict[str, Any]:
+        body = {"job_id": jid, "attempt": attempt, "lines": [[1, 1.0, "stdout", text]]}
+        return body if wid is None else {**body, "worker_id": wid}
+
+    async def post(token: str, body: dict[str, Any]) -> tuple[int, str]:
+        status, _, reply = await asgi_request(
+            app, "POST", "/api/v1/tasks/logs", body=body, token=token
+        )
+        return status, "" if reply is None else reply["error"]
+
+    async def texts() -> list[str]:
+        _, _, chunk = await asgi_request(app, "GET", f"/api/v1/jobs/{jid}/logs", token=user)
+        return [line[3] for line in chunk["lines"]]
+
+    async def before_restart() -> tuple[str, str]:
+        nonlocal jid
+        _, _, a = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=ta)
+        spec = {"spec": {"command": ["sleep", "600"], "max_retries": 1}}
+        _, _, job = await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user)
+        jid = job["id"]
+        assert job["worker"] == a["id"]
+        _, _, b = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=tb)
+        refused = [
+            await post(tb, batch(b["id"], 1, "forged")),  # B did not run it
+            await post(tb, batch(a["id"], 1, "forged")),  # B's token cannot speak for A
+            await post(tb, batch(None, 1, "forged")),  # a worker token must say who it is
+        ]
+        assert [status for status, _ in refused] == [403, 403, 403], refused
+        assert f"worker {b['id']} did not run attempt 1 of job {jid}" in refused[0][1]
+        assert "worker_id" in refused[2][1]
+        assert await post(ta, batch(a["id"], 1, "a1")) == (204, "")
+        started = {"job_id": jid, "attempt": 1, "worker_id": a["id"], "pid": 999_999}
+        started |= dict.fromkeys(("acquired", "prepared", "started"), 1.0)
+        await asgi_request(app, "POST", "/api/v1/tasks/started", body=started, token=ta)
+        # A says goodbye while running it: the attempt is lost and the job retried on B.
+        await asgi_request(app, "DELETE", f"/api/v1/workers/{a['id']}", token=ta)
+        path = f"/api/v1/workers/{b['id']}/acquire"
+        _, _, items = await asgi_request(app, "POST", path, "timeout=0&ack=0", token=tb)
+        assert [(i["job_id"], i["attempt"]) for i in items] == [(jid, 2)]
+        assert (await post(tb, batch(b["id"], 1, "forged")))[0] == 403
+        assert (await post(ta, batch(a["id"], 2, "forged")))[0] == 403
+        # A was cut off, and delivers its attempt's last line late.
+        late = batch(a["id"], 1, "a1-late")
+        late["lines"][0][0] = 2
+        assert await post(ta, late) == (204, "")
+        assert await post(tb, batch(b["id"], 2, "b2")) == (204, "")
+        assert await texts() == ["a1", "a1-late", "b2"]
+        return a["id"], b["id"]
+
+    jid = ""
+    wa, wb = asyncio.run(before_restart())
+    plane.store.close()
+    restarted = ControlPlane(SqliteStore(tmp_path / "db.sqlite"), instance_id="s2")
+    restarted.recover("s1", workers_outlive=True)
+    app = create_app(restarted, ArtifactStore(tmp_path / "blobs"))
+
+    async def after_restart() -> None:
+        refused = [
+            (await post(tb, batch(wb, 1, "forged")))[0],
+            (await post(ta, batch(wa, 2, "forged")))[0],
+        ]
+        assert refused == [403, 403]
+        for token, wid, attempt in ((ta, wa, 1), (tb, wb, 2)):
+            again = batch(wid, attempt, f"again-{attempt}")
+            again["lines"][0][0] = 3
+            assert await post(token, again) == (204, "")
+        assert await texts() == ["a1", "a1-late", "again-1", "b2", "again-2"]
+
+    asyncio.run(after_restart())
+    restarted.store.close()
+
+
 def test_a_task_taken_before_a_restart_counts_when_a_new_worker_process_adopts_its_worker(
     tmp_path: Path,
 ) -> None:

@@ -268,10 +268,13 @@ def test_a_result_kept_through_a_killed_worker_is_delivered_by_the_next(
     the server is back: the next worker on the same home delivers the
     result it kept on disk, so the job ends as it ran, not lost. One started
     with a token the server does not take (a typo in its unit file) cannot
-    register, and keeps the result for the next try."""
+    register, and keeps the result for the next try. With a worker token: its
+    kept log lines name the worker that ran them, since the next one delivers
+    them before it registers."""
     gate = tmp_path / "gate"
     os.mkfifo(gate)
-    doomed = server.start_worker(tmp_path / "w", name="doomed")
+    token = server.token("worker")
+    doomed = server.start_worker(tmp_path / "w", name="doomed", token=token)
     code = (
         f"print('before', flush=True); open({str(gate)!r}).read()\n"
         "print('during the outage', flush=True); raise SystemExit(3)"
@@ -290,7 +293,7 @@ def test_a_result_kept_through_a_killed_worker_is_delivered_by_the_next(
         typo = {**os.environ, "GPULAYER_TOKEN": "not-a-token"}
         refused = worker_start_refused(tmp_path / "w", server.url, typo)
         assert list((tmp_path / "w" / "workers" / "live").glob("*/results/*")), refused.stderr
-        server.start_worker(tmp_path / "w", name="heir")
+        server.start_worker(tmp_path / "w", name="heir", token=token)
         assert job.wait(timeout=60) == "failed"
         info = job.refresh()
         assert (info.exit_code, info.attempt) == (3, 1), info.reason

@@ -551,6 +551,17 @@ class Api:
 
     async def task_logs(self, request: Request) -> Response:
         batch = await _body(request, LogBatch, _REPORT_MAX)
+        if _role(request) == auth.WORKER:
+            if not batch.worker_id:
+                raise auth.AuthError(403, "a worker token's log batch must name its worker_id")
+            self._check_owner(request, batch.worker_id)
+            if not self.plane.ran_task(batch.worker_id, batch.job_id, batch.attempt, batch.node):
+                node = f" node {batch.node} of" if batch.node else ""
+                raise auth.AuthError(
+                    403,
+                    f"worker {batch.worker_id} did not run{node} attempt {batch.attempt} "
+                    f"of job {batch.job_id}; it may add lines only to its own tasks",
+                )
         self.plane.append_logs(batch.job_id, batch.attempt, batch.lines, batch.node)
         return Response(status=204)
 

@@ -149,6 +149,11 @@ class Store(abc.ABC):
         """For a job of several nodes: each node's last line stored, in its own numbering."""
 
     @abc.abstractmethod
+    def task_worker(self, job_id: str, attempt: int, node: int = 0) -> str | None:
+        """The worker that ran (or runs) ``node`` of the job's ``attempt``;
+        None if no worker did, or no such job."""
+
+    @abc.abstractmethod
     def last_log_seq(self, job_id: str, attempt: int) -> int:
         """The number of the last line stored for an attempt (0: none)."""
 

@@ -121,6 +121,20 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ALTER TABLE tokens ADD COLUMN expires REAL
         """,
     ),
+    # 8: which worker ran each node of an attempt that ended in a requeue (its
+    # worker lost, say): a worker token may add log lines only to a task it
+    # ran, and the job's row names only its current attempt's workers.
+    (
+        """
+        CREATE TABLE past_tasks (
+            job_id  TEXT NOT NULL,
+            attempt INTEGER NOT NULL,
+            node    INTEGER NOT NULL,
+            worker  TEXT NOT NULL,
+            PRIMARY KEY (job_id, attempt, node)
+        ) WITHOUT ROWID
+        """,
+    ),
 )
 
 LATEST = len(MIGRATIONS)

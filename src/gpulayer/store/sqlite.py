@@ -222,6 +222,16 @@ class _SqliteTransaction(Transaction):
         attempt: int | None = None,
         given_back: int | None = None,
     ) -> None:
+        # Who ran the attempt that ended, for its late log lines (see
+        # task_worker): the row names only the current attempt's workers.
+        self.db.execute(
+            "INSERT OR REPLACE INTO past_tasks (job_id, attempt, node, worker) "
+            "SELECT id, attempt, 0, worker FROM jobs WHERE id=? AND tasks IS NULL AND worker IS NOT NULL "
+            "UNION ALL SELECT jobs.id, jobs.attempt, json_extract(t.value, '$.node'), "
+            "json_extract(t.value, '$.worker') FROM jobs, json_each(jobs.tasks) AS t "
+            "WHERE jobs.id=? AND jobs.tasks IS NOT NULL",
+            (job_id, job_id),
+        )
         # Marks after 'submitted' describe the attempt that ended; start afresh.
         self.db.execute(
             "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, pid_created=NULL, tasks=NULL, owner=?, "
@@ -461,6 +471,24 @@ class SqliteStore(Store):
                 (job_id, attempt),
             ).fetchall()
         return {int(node): int(last) for node, last in rows}
+
+    def task_worker(self, job_id: str, attempt: int, node: int = 0) -> str | None:
+        with self._guarded:
+            row = self._db.execute(
+                "SELECT attempt, worker, tasks FROM jobs WHERE id=?", (job_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            current, worker, tasks = row
+            if current == attempt and (worker is not None or tasks is not None):
+                if tasks is None:
+                    return str(worker) if node == 0 else None
+                return next((t.worker for t in _decode_tasks(tasks) if t.node == node), None)
+            past = self._db.execute(
+                "SELECT worker FROM past_tasks WHERE job_id=? AND attempt=? AND node=?",
+                (job_id, attempt, node),
+            ).fetchone()
+        return None if past is None else str(past[0])
 
     def last_log_seq(self, job_id: str, attempt: int) -> int:
         with self._guarded:

@@ -210,7 +210,9 @@ class Worker:
         result = kept.result
         try:
             for batch in in_batches(kept.lines, defaults.LOG_BATCH_MAX_BYTES):
-                self.transport.append_logs(result.job_id, result.attempt, batch, result.node)
+                self.transport.append_logs(
+                    result.job_id, result.attempt, batch, result.node, worker_id=result.worker_id
+                )
         except (ServerUnreachable, AccessDenied):
             raise
         except GPUlayerError as exc:
