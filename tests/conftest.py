@@ -15,9 +15,11 @@ from gpulayer.store.sqlite import SqliteStore
 
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """No test touches ~/.gpulayer: each gets its own home."""
+    """No test touches ~/.gpulayer: each gets its own home, and its own
+    machine-wide GPU claims (tests run side by side, some with fake GPUs)."""
     home = tmp_path / "gpulayer-home"
     monkeypatch.setenv("GPULAYER_HOME", str(home))
+    monkeypatch.setenv("GPULAYER_GPU_LOCKS", str(tmp_path / "gpu-locks"))
     monkeypatch.delenv("GPULAYER_SERVER", raising=False)
     return home
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ import psutil
 import pytest
 
 from gpulayer.errors import WorkerError
+from gpulayer.worker.gpulocks import claim_gpus, unclaimed
 from gpulayer.worker.gpus import (
     GPUS_HELP,
     Gpu,
@@ -369,3 +372,69 @@ def test_share_gpus_refuses_two_vendors() -> None:
     # Each worker drives one vendor; numbered apart, nvidia 0 and amd 0 are two GPUs.
     with pytest.raises(WorkerError, match=re.escape("--gpus nvidia, and --gpus amd")):
         share_gpus(MIXED, 2)
+
+
+def test_a_gpu_is_claimed_by_one_worker_at_a_time_and_freed_when_its_holder_dies(
+    tmp_path: Path,
+) -> None:
+    gpus = [Gpu(index=i, vendor="nvidia", name="T", uuid=f"GPU-{i}") for i in range(3)]
+    held = claim_gpus(gpus[1:2])
+    assert unclaimed(gpus) == ([gpus[0], gpus[2]], [f"nvidia GPU 1 (pid {os.getpid()})"])
+    with pytest.raises(WorkerError) as refused:  # all or nothing
+        claim_gpus(gpus)
+    assert str(refused.value) == (
+        f"another GPUlayer worker on this machine offers nvidia GPU 1 (pid {os.getpid()}); "
+        "a GPU is offered by one worker at a time"
+    )
+    assert unclaimed(gpus)[0] == [gpus[0], gpus[2]], "the refused claim kept nothing"
+    held.release()
+    assert unclaimed(gpus) == (gpus, [])
+    # Held by another process, which is then killed: the kernel frees it.
+    code = (
+        "import sys; from gpulayer.worker.gpulocks import claim_gpus; "
+        "from gpulayer.worker.gpus import Gpu; "
+        "c = claim_gpus([Gpu(index=2, vendor='nvidia', name='T', uuid='GPU-2')]); "
+        "print('held', flush=True); sys.stdin.read()"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+            assert unclaimed(gpus)[1] == [f"nvidia GPU 2 (pid {holder.pid})"]
+        finally:
+            holder.kill()
+    assert unclaimed(gpus) == (gpus, [])
+    assert sorted(p.name for p in Path(os.environ["GPULAYER_GPU_LOCKS"]).iterdir()) == [
+        "GPU-0.lock",
+        "GPU-1.lock",
+        "GPU-2.lock",
+    ]
+
+
+def test_a_worker_offering_gpus_claims_them_until_it_stops(tmp_path: Path) -> None:
+    from gpulayer.artifacts import ArtifactStore
+    from gpulayer.service import ControlPlane
+    from gpulayer.store.sqlite import SqliteStore
+    from gpulayer.transport.inprocess import InProcessTransport
+    from gpulayer.worker.worker import Worker
+
+    gpus = [Gpu(index=i, vendor="nvidia", name="T", uuid=f"GPU-{i}") for i in range(2)]
+    store = SqliteStore(tmp_path / "db.sqlite")
+    cache = ArtifactStore(tmp_path / "c")
+    transport = InProcessTransport(ControlPlane(store, instance_id="t"), cache)
+
+    def worker(offer: list[Gpu]) -> Worker:
+        return Worker(transport, cache=cache, work_dir=tmp_path, gpus=offer)
+
+    first = worker(gpus[:1])
+    first.start()
+    with pytest.raises(WorkerError, match="offers nvidia GPU 0 "):
+        worker(gpus)
+    first.stop()
+    second = worker(gpus)
+    assert unclaimed(gpus) == ([], [f"nvidia GPU {i} (pid {os.getpid()})" for i in range(2)])
+    second.start()
+    second.stop()
+    assert unclaimed(gpus) == (gpus, [])
+    store.close()

@@ -221,6 +221,25 @@ def test_gpu_slots_are_isolated(home: Path) -> None:
             worker.stop()
 
 
+def test_embedded_workers_leave_a_gpu_another_process_offers(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpulayer.worker.gpulocks import claim_gpus
+    from gpulayer.worker.gpus import Gpu
+
+    fake = [Gpu(index=i, vendor="nvidia", name="Fake GPU", uuid=f"GPU-{i}") for i in range(3)]
+    monkeypatch.setattr("gpulayer.embedded.detect_gpus", lambda: fake)
+    elsewhere = claim_gpus(fake[1:2])  # as a `gpulayer worker start --gpus 1` would
+    try:
+        with gpulayer.Client(home=home, auto_worker=False) as client:
+            embedded = client._embedded
+            assert embedded is not None
+            workers = embedded.ensure_local_workers(2)
+            assert sorted(g.index for w in workers for g in w.gpus) == [0, 2]
+    finally:
+        elsewhere.release()
+
+
 def test_a_long_line_is_cut_and_output_is_complete(client: gpulayer.Client) -> None:
     code = "print('x' * 200_000); [print(i) for i in range(20_000)]"
     job = client.submit(command=[PY, "-c", code])

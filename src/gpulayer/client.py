@@ -171,12 +171,14 @@ class Client:
             if missing > 0:
                 # As embedded: the machine's GPUs are split among the workers
                 # started together, so that no two worker processes offer one.
+                from .worker.gpulocks import unclaimed
                 from .worker.gpus import detect_gpus, gpus_option, share_gpus
 
                 if self._gpus is None:
                     self._gpus = detect_gpus()
                 claimed = {(g.vendor, g.index) for w in self._local_workers for g in w.gpus}
-                free = [g for g in self._gpus if (g.vendor, g.index) not in claimed]
+                # Nor one that a worker started otherwise offers.
+                free, _ = unclaimed([g for g in self._gpus if (g.vendor, g.index) not in claimed])
                 started = []
                 for share in share_gpus(free, missing):
                     # Never a name in use: not after a worker ended and another replaces

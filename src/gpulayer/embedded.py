@@ -20,6 +20,7 @@ from .ids import new_id
 from .service import ControlPlane
 from .store.sqlite import SqliteStore
 from .transport.inprocess import InProcessTransport
+from .worker.gpulocks import unclaimed
 from .worker.gpus import Gpu, detect_gpus, share_gpus
 from .worker.worker import Worker
 
@@ -82,7 +83,8 @@ class Embedded:
             if self._gpus is None:
                 self._gpus = detect_gpus()
             claimed = {(g.vendor, g.index) for w in self.workers for g in w.gpus}
-            free = [g for g in self._gpus if (g.vendor, g.index) not in claimed]
+            # Nor one that a worker of another process offers.
+            free, _ = unclaimed([g for g in self._gpus if (g.vendor, g.index) not in claimed])
             for share in share_gpus(free, missing):
                 worker = Worker(
                     self.transport,

@@ -431,6 +431,35 @@ def test_local_worker_processes_split_the_gpus_between_them(server: ServerProc) 
 
 
 @pytest.mark.usefixtures("three_gpus")
+def test_workers_started_apart_never_offer_one_gpu_twice(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    first = server.start_worker(tmp_path / "w1", name="first", gpus="nvidia:1")
+    env = {**os.environ, "GPULAYER_TOKEN": server.admin}
+    refused = worker_start_refused(tmp_path / "w2", server.url, env, "--gpus", "0,1")
+    assert (
+        f"another GPUlayer worker on this machine offers nvidia GPU 1 (pid {first.pid})"
+        in refused.stderr
+    )
+    server.start_worker(tmp_path / "w3", name="rest", gpus="all")  # those left: 0 and 2
+    refused = worker_start_refused(tmp_path / "w4", server.url, env, "--gpus", "all")
+    assert "another GPUlayer worker on this machine offers every GPU this one would" in (
+        refused.stderr
+    )
+    with server.client() as client:
+        (local,) = client.ensure_local_workers(1, slots=2)  # none left for it either
+        assert local.slot_gpus == [None, None]
+        assert {w.name: w.slot_gpus for w in client.workers() if w.id != local.id} == {
+            "first": [1],
+            "rest": [0, 2],
+        }
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 0
+        server.start_worker(tmp_path / "w2", name="again", gpus="1")
+        assert {w.name: w.slot_gpus for w in client.workers()}["again"] == [1]
+
+
+@pytest.mark.usefixtures("three_gpus")
 def test_a_local_worker_that_fails_to_start_gives_its_gpus_back(server: ServerProc) -> None:
     with server.client() as client:
         with pytest.raises(gpulayer.WorkerError, match="before registering"):

@@ -37,6 +37,7 @@ from ..errors import (
 )
 from ..jobs import CancelTask, Instruction, Rendezvous, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
+from .gpulocks import claim_gpus
 from .gpus import MIXED_VENDORS, Gpu, detect_gpus
 from .launch import interface_of
 from .ledger import Kept, Ledger
@@ -88,6 +89,8 @@ class Worker:
                 f"this worker offers {len(self.gpus)} GPUs, so it has one slot per GPU, not "
                 f"{slots}; a worker offering no GPUs (--gpus none) takes a slot count"
             )
+        # Machine-wide: no other worker, however started, offers these now.
+        self._claim = claim_gpus(self.gpus)
         slot_gpus: list[int | None] = (
             [g.index for g in self.gpus] if self.gpus else [None] * (slots or 1)
         )
@@ -497,5 +500,6 @@ class Worker:
             shutil.rmtree(self.tasks_dir, ignore_errors=True)
             if self._ledger is not None:
                 self._ledger.close()
+        self._claim.release()
         # Else a task outlived the wait: its folder and the ledger stay, for
         # the next worker on this home to end what is left and tidy up.
