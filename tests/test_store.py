@@ -36,6 +36,8 @@ def test_new_store_is_migrated_and_reopens_with_its_data(tmp_path: Path) -> None
     assert [line.text for _, line in again.read_logs("j1")] == ["hi"]
     assert again.worker_bindings() == {"w1": "c" * 64}  # the last one holds; none without auth
     assert {w.id for w in again.list_workers()} == {"w1", "w3"}
+    # Kept after the worker is gone (a worker token's late log lines).
+    assert [again.last_binding(w) for w in ("w1", "w2", "w3")] == ["c" * 64, "b" * 64, None]
     again.close()
 
 
@@ -60,6 +62,10 @@ def test_the_workers_of_a_requeued_attempt_are_kept_for_its_late_log_lines(
     with store.transaction() as tx:
         tx.place("one", worker="w2", slots=[0], gpus=[], attempt=2, at=2.0)
     assert [store.task_worker("one", a) for a in (1, 2, 3)] == ["w0", "w2", None]
+    # Given back unrun (its number is used again): it left no lines to come.
+    with store.transaction() as tx:
+        tx.requeue("one", reason=None, owner="s", attempt=1)
+    assert [store.task_worker("one", a) for a in (1, 2)] == ["w0", None]
     assert store.task_worker("nosuchjob", 1) is None
     store.close()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer.errors import ServerUnreachable
+from gpulayer.errors import InvalidStateError, ServerUnreachable
 from gpulayer.jobs import LogLine, WorkerInfo
 from gpulayer.service import ControlPlane
 from gpulayer.spec import parse_spec
@@ -167,6 +167,28 @@ def test_failed_sends_are_retried_not_lost() -> None:
     task.flush()  # succeeds
     sender.stop()
     assert delivered == ["a", "b"]
+
+
+def test_lines_the_server_refuses_are_dropped_not_sent_again() -> None:
+    """It answered no (this worker ran no such task, say): sending them again
+    would only be refused again. The end of a task's lines too."""
+    tries: list[str] = []
+
+    def refuse(job_id: str, attempt: int, lines: list[LogLine]) -> None:
+        tries.extend(line.text for line in lines)
+        raise InvalidStateError(f"no worker ran attempt {attempt} of job {job_id}")
+
+    sender = LogSender(refuse, interval=60.0)  # only the sends below
+    task, ended = sender.open("job", 1), sender.open("other", 1)
+    task.add("stdout", "a")
+    task.flush()
+    ended.add("stdout", "b")
+    ended.closed = True
+    with pytest.raises(InvalidStateError):
+        sender.deliver_rest(ended)  # for the outbox, which gives up on them
+    assert not sender.unsent(task) and not sender.unsent(ended)
+    sender.stop()  # would send what is left
+    assert tries == ["a", "b"]
 
 
 def test_spawned_processes_get_a_session_of_their_own(tmp_path: Path) -> None:

@@ -158,15 +158,7 @@ class _Away(InProcessTransport):
             raise ServerUnreachable("away")
         super().heartbeat(worker_id, stopping=stopping)
 
-    def append_logs(
-        self,
-        job_id: str,
-        attempt: int,
-        lines: list[LogLine],
-        node: int = 0,
-        *,
-        worker_id: str | None = None,
-    ) -> None:
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
         if self.away.is_set():
             raise ServerUnreachable("away")
         super().append_logs(job_id, attempt, lines, node)
@@ -375,15 +367,7 @@ class _LinesHang(InProcessTransport):
             raise ServerUnreachable("away")
         return super().task_finished(result, take=take)
 
-    def append_logs(
-        self,
-        job_id: str,
-        attempt: int,
-        lines: list[LogLine],
-        node: int = 0,
-        *,
-        worker_id: str | None = None,
-    ) -> None:
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
         if self.away.is_set():
             if threading.current_thread().name.startswith("gpulayer-task-"):
                 self.task_tried.set()  # its last lines, tried as it ends

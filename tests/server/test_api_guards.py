@@ -82,17 +82,16 @@ def test_a_worker_token_cannot_act_for_a_worker_an_admin_registered(tmp_path: Pa
 
 
 def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Path) -> None:
-    """Also to an attempt that ended in a retry (its worker was cut off), and
-    after a restart of the server."""
+    """Also to an attempt that ended in a retry (its worker was cut off), after
+    that worker is gone, and after a restart of the server. An attempt its
+    worker gave back unrun has no lines to come."""
     app, plane, _ = _app(tmp_path, "s1")
     ta, tb = (auth.create_token(plane.store, "worker") for _ in "ab")
     user = auth.create_token(plane.store, "user")
+    jid = ""
 
-    def batch(wid: str | None, attempt: int, text: str) -> dict[str, Any]:
-        body = {"job_id": jid, "attempt": attempt, "lines": [[1, 1.0, "stdout", text]]}
-        return body if wid is None else {**body, "worker_id": wid}
-
-    async def post(token: str, body: dict[str, Any]) -> tuple[int, str]:
+    async def post(token: str, attempt: int, text: str, seq: int = 1) -> tuple[int, str]:
+        body = {"job_id": jid, "attempt": attempt, "lines": [[seq, 1.0, "stdout", text]]}
         status, _, reply = await asgi_request(
             app, "POST", "/api/v1/tasks/logs", body=body, token=token
         )
@@ -102,59 +101,66 @@ def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Pa
         _, _, chunk = await asgi_request(app, "GET", f"/api/v1/jobs/{jid}/logs", token=user)
         return [line[3] for line in chunk["lines"]]
 
-    async def before_restart() -> tuple[str, str]:
+    async def take(wid: str, token: str) -> list[tuple[str, int]]:
+        path = f"/api/v1/workers/{wid}/acquire"
+        _, _, items = await asgi_request(app, "POST", path, "timeout=0&ack=0", token=token)
+        return [(i["job_id"], i["attempt"]) for i in items]
+
+    async def started(wid: str, token: str, attempt: int) -> None:
+        report = {"job_id": jid, "attempt": attempt, "worker_id": wid, "pid": 999_999}
+        report |= dict.fromkeys(("acquired", "prepared", "started"), 1.0)
+        await asgi_request(app, "POST", "/api/v1/tasks/started", body=report, token=token)
+
+    async def register(token: str) -> str:
+        _, _, worker = await asgi_request(
+            app, "POST", "/api/v1/workers", body=_worker(), token=token
+        )
+        return str(worker["id"])
+
+    async def before_restart() -> None:
         nonlocal jid
-        _, _, a = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=ta)
+        quitter = await register(ta)
         spec = {"spec": {"command": ["sleep", "600"], "max_retries": 1}}
         _, _, job = await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user)
         jid = job["id"]
-        assert job["worker"] == a["id"]
-        _, _, b = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=tb)
-        refused = [
-            await post(tb, batch(b["id"], 1, "forged")),  # B did not run it
-            await post(tb, batch(a["id"], 1, "forged")),  # B's token cannot speak for A
-            await post(tb, batch(None, 1, "forged")),  # a worker token must say who it is
-        ]
-        assert [status for status, _ in refused] == [403, 403, 403], refused
-        assert f"worker {b['id']} did not run attempt 1 of job {jid}" in refused[0][1]
-        assert "worker_id" in refused[2][1]
-        assert await post(ta, batch(a["id"], 1, "a1")) == (204, "")
-        started = {"job_id": jid, "attempt": 1, "worker_id": a["id"], "pid": 999_999}
-        started |= dict.fromkeys(("acquired", "prepared", "started"), 1.0)
-        await asgi_request(app, "POST", "/api/v1/tasks/started", body=started, token=ta)
-        # A says goodbye while running it: the attempt is lost and the job retried on B.
-        await asgi_request(app, "DELETE", f"/api/v1/workers/{a['id']}", token=ta)
-        path = f"/api/v1/workers/{b['id']}/acquire"
-        _, _, items = await asgi_request(app, "POST", path, "timeout=0&ack=0", token=tb)
-        assert [(i["job_id"], i["attempt"]) for i in items] == [(jid, 2)]
-        assert (await post(tb, batch(b["id"], 1, "forged")))[0] == 403
-        assert (await post(ta, batch(a["id"], 2, "forged")))[0] == 403
-        # A was cut off, and delivers its attempt's last line late.
-        late = batch(a["id"], 1, "a1-late")
-        late["lines"][0][0] = 2
-        assert await post(ta, late) == (204, "")
-        assert await post(tb, batch(b["id"], 2, "b2")) == (204, "")
-        assert await texts() == ["a1", "a1-late", "b2"]
-        return a["id"], b["id"]
+        # It takes it and gives it back unrun (a stopping worker does): the
+        # attempt's number is used again, by another worker.
+        assert await take(quitter, ta) == [(jid, 1)]
+        result = {"job_id": jid, "attempt": 1, "worker_id": quitter, "outcome": "returned"}
+        await asgi_request(app, "POST", "/api/v1/tasks/finished", body=result, token=ta)
+        assert await post(ta, 1, "forged") == (409, f"no worker ran attempt 1 of job {jid}")
+        b = await register(tb)
+        assert await take(b, tb) == [(jid, 1)]
+        assert await post(ta, 1, "forged") == (
+            403,
+            f"attempt 1 of job {jid} ran on worker {b}, registered with another token; "
+            "this one cannot add lines to it",
+        )
+        assert (await post(tb, 2, "forged"))[0] == 409  # no attempt 2 yet
+        assert await post(tb, 1, "b1") == (204, "")
+        await started(b, tb, 1)
+        a = await register(ta)
+        # B says goodbye while running it: the attempt is lost and the job retried on A.
+        await asgi_request(app, "DELETE", f"/api/v1/workers/{b}", token=tb)
+        assert await take(a, ta) == [(jid, 2)]
+        assert (await post(ta, 1, "forged"))[0] == 403  # B is gone: its token still counts
+        assert (await post(tb, 2, "forged"))[0] == 403
+        # B was cut off, and delivers its attempt's last line late.
+        assert await post(tb, 1, "b1-late", seq=2) == (204, "")
+        assert await post(ta, 2, "a2") == (204, "")
+        assert await texts() == ["b1", "b1-late", "a2"]
 
-    jid = ""
-    wa, wb = asyncio.run(before_restart())
+    asyncio.run(before_restart())
     plane.store.close()
     restarted = ControlPlane(SqliteStore(tmp_path / "db.sqlite"), instance_id="s2")
     restarted.recover("s1", workers_outlive=True)
     app = create_app(restarted, ArtifactStore(tmp_path / "blobs"))
 
     async def after_restart() -> None:
-        refused = [
-            (await post(tb, batch(wb, 1, "forged")))[0],
-            (await post(ta, batch(wa, 2, "forged")))[0],
-        ]
-        assert refused == [403, 403]
-        for token, wid, attempt in ((ta, wa, 1), (tb, wb, 2)):
-            again = batch(wid, attempt, f"again-{attempt}")
-            again["lines"][0][0] = 3
-            assert await post(token, again) == (204, "")
-        assert await texts() == ["a1", "a1-late", "again-1", "b2", "again-2"]
+        assert [(await post(ta, 1, "forged"))[0], (await post(tb, 2, "forged"))[0]] == [403, 403]
+        assert await post(tb, 1, "again-1", seq=3) == (204, "")
+        assert await post(ta, 2, "again-2", seq=3) == (204, "")
+        assert await texts() == ["b1", "b1-late", "again-1", "a2", "again-2"]
 
     asyncio.run(after_restart())
     restarted.store.close()

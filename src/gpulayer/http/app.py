@@ -552,18 +552,27 @@ class Api:
     async def task_logs(self, request: Request) -> Response:
         batch = await _body(request, LogBatch, _REPORT_MAX)
         if _role(request) == auth.WORKER:
-            if not batch.worker_id:
-                raise auth.AuthError(403, "a worker token's log batch must name its worker_id")
-            self._check_owner(request, batch.worker_id)
-            if not self.plane.ran_task(batch.worker_id, batch.job_id, batch.attempt, batch.node):
-                node = f" node {batch.node} of" if batch.node else ""
-                raise auth.AuthError(
-                    403,
-                    f"worker {batch.worker_id} did not run{node} attempt {batch.attempt} "
-                    f"of job {batch.job_id}; it may add lines only to its own tasks",
-                )
+            self._check_runner(request, batch)
         self.plane.append_logs(batch.job_id, batch.attempt, batch.lines, batch.node)
         return Response(status=204)
+
+    def _check_runner(self, request: Request, batch: LogBatch) -> None:
+        """A worker token adds lines only to a task its worker runs or ran:
+        the one that registered with it last (after the worker is gone too)."""
+        task = f"{f'node {batch.node} of ' if batch.node else ''}attempt {batch.attempt}"
+        runner = self.plane.task_runner(batch.job_id, batch.attempt, batch.node)
+        if runner is None:  # 409: the lines are refused, not the token (see LogSender)
+            raise ApiError(409, f"no worker ran {task} of job {batch.job_id}")
+        _, digest, _, _ = request.scope[_CALLER]
+        owner = self._owners.get(runner)
+        if owner is None:  # the worker is gone (or registered without auth)
+            owner = self.plane.store.last_binding(runner)
+        if owner is not None and owner != digest:
+            raise auth.AuthError(
+                403,
+                f"{task} of job {batch.job_id} ran on worker {runner}, registered with "
+                "another token; this one cannot add lines to it",
+            )
 
     async def task_rendezvous(self, request: Request) -> Response:
         report = await _body(request, RendezvousReport)

@@ -55,9 +55,6 @@ class LogBatch(msgspec.Struct, forbid_unknown_fields=True):
     attempt: int
     lines: list[LogLine]
     node: Annotated[int, msgspec.Meta(ge=0)] = 0
-    # The worker that ran the task: required with a worker token, which may
-    # add lines only to its own tasks.
-    worker_id: str = ""
 
 
 class RendezvousReport(msgspec.Struct, forbid_unknown_fields=True):

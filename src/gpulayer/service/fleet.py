@@ -486,15 +486,15 @@ class Fleet(PlaneCore):
                     )
                     worker.wake.fire()
 
-    def ran_task(self, worker_id: str, job_id: str, attempt: int, node: int = 0) -> bool:
-        """Whether ``worker_id`` runs, or ran, ``node`` of the job's ``attempt``:
-        only then may its lines be added to the job's logs (a worker token's)."""
+    def task_runner(self, job_id: str, attempt: int, node: int = 0) -> str | None:
+        """The worker that runs, or ran, ``node`` of the job's ``attempt`` (None:
+        none did). A worker token adds lines only to its worker's tasks."""
         with self._lock:
             run = self._running.get(job_id)
             if run is not None and run.attempt == attempt:
-                return any(t.node == node and t.worker_id == worker_id for t in run.tasks)
+                return next((t.worker_id for t in run.tasks if t.node == node), None)
         # Ended, or an earlier attempt (its worker was cut off, say): the store knows.
-        return self.store.task_worker(job_id, attempt, node) == worker_id
+        return self.store.task_worker(job_id, attempt, node)
 
     def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
         if not lines:

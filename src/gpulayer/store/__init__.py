@@ -149,6 +149,11 @@ class Store(abc.ABC):
         """For a job of several nodes: each node's last line stored, in its own numbering."""
 
     @abc.abstractmethod
+    def last_binding(self, worker_id: str) -> str | None:
+        """The sha256 of the token ``worker_id`` last registered with, kept
+        after the worker is gone; None if it never registered with one."""
+
+    @abc.abstractmethod
     def task_worker(self, job_id: str, attempt: int, node: int = 0) -> str | None:
         """The worker that ran (or runs) ``node`` of the job's ``attempt``;
         None if no worker did, or no such job."""

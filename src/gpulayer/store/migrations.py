@@ -121,9 +121,11 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ALTER TABLE tokens ADD COLUMN expires REAL
         """,
     ),
-    # 8: which worker ran each node of an attempt that ended in a requeue (its
-    # worker lost, say): a worker token may add log lines only to a task it
-    # ran, and the job's row names only its current attempt's workers.
+    # 8: a worker token adds log lines only to tasks its worker ran, late
+    # ones included (its worker cut off, declared lost, its job retried):
+    # which worker ran each node of an attempt that ended in a retry (the
+    # job's row names only its current attempt's), and the token each worker
+    # last registered with, kept after the worker is gone.
     (
         """
         CREATE TABLE past_tasks (
@@ -133,6 +135,16 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             worker  TEXT NOT NULL,
             PRIMARY KEY (job_id, attempt, node)
         ) WITHOUT ROWID
+        """,
+        """
+        CREATE TABLE worker_tokens (
+            worker_id    TEXT PRIMARY KEY,
+            token_digest TEXT NOT NULL
+        ) WITHOUT ROWID
+        """,
+        """
+        INSERT INTO worker_tokens (worker_id, token_digest)
+        SELECT id, token_digest FROM workers WHERE token_digest IS NOT NULL
         """,
     ),
 )

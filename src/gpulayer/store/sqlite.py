@@ -223,15 +223,19 @@ class _SqliteTransaction(Transaction):
         given_back: int | None = None,
     ) -> None:
         # Who ran the attempt that ended, for its late log lines (see
-        # task_worker): the row names only the current attempt's workers.
-        self.db.execute(
-            "INSERT OR REPLACE INTO past_tasks (job_id, attempt, node, worker) "
-            "SELECT id, attempt, 0, worker FROM jobs WHERE id=? AND tasks IS NULL AND worker IS NOT NULL "
-            "UNION ALL SELECT jobs.id, jobs.attempt, json_extract(t.value, '$.node'), "
-            "json_extract(t.value, '$.worker') FROM jobs, json_each(jobs.tasks) AS t "
-            "WHERE jobs.id=? AND jobs.tasks IS NOT NULL",
-            (job_id, job_id),
-        )
+        # task_worker): the row names only the current attempt's workers. An
+        # attempt that never ran (``attempt`` given: its number is used again)
+        # has no lines to come.
+        if attempt is None:
+            self.db.execute(
+                "INSERT OR REPLACE INTO past_tasks (job_id, attempt, node, worker) "
+                "SELECT id, attempt, 0, worker FROM jobs "
+                "WHERE id=? AND tasks IS NULL AND worker IS NOT NULL "
+                "UNION ALL SELECT jobs.id, jobs.attempt, json_extract(t.value, '$.node'), "
+                "json_extract(t.value, '$.worker') FROM jobs, json_each(jobs.tasks) AS t "
+                "WHERE jobs.id=? AND jobs.tasks IS NOT NULL",
+                (job_id, job_id),
+            )
         # Marks after 'submitted' describe the attempt that ended; start afresh.
         self.db.execute(
             "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, pid_created=NULL, tasks=NULL, owner=?, "
@@ -280,6 +284,11 @@ class _SqliteTransaction(Transaction):
             "INSERT OR REPLACE INTO workers (id, instance, info, token_digest) VALUES (?,?,?,?)",
             (worker.id, worker.instance, _encode(worker), token_digest),
         )
+        if token_digest is not None:  # kept after the worker is gone (see last_binding)
+            self.db.execute(
+                "INSERT OR REPLACE INTO worker_tokens (worker_id, token_digest) VALUES (?,?)",
+                (worker.id, token_digest),
+            )
 
     def delete_worker(self, worker_id: str) -> None:
         self.db.execute("DELETE FROM workers WHERE id=?", (worker_id,))
@@ -471,6 +480,13 @@ class SqliteStore(Store):
                 (job_id, attempt),
             ).fetchall()
         return {int(node): int(last) for node, last in rows}
+
+    def last_binding(self, worker_id: str) -> str | None:
+        with self._guarded:
+            row = self._db.execute(
+                "SELECT token_digest FROM worker_tokens WHERE worker_id=?", (worker_id,)
+            ).fetchone()
+        return None if row is None else str(row[0])
 
     def task_worker(self, job_id: str, attempt: int, node: int = 0) -> str | None:
         with self._guarded:

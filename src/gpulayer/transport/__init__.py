@@ -106,17 +106,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def append_logs(
-        self,
-        job_id: str,
-        attempt: int,
-        lines: list[LogLine],
-        node: int = 0,
-        *,
-        worker_id: str | None = None,
-    ) -> None:
-        """Add a task's lines; ``worker_id`` names the worker that ran it when
-        that is not the worker registered through this transport (a result
-        kept by an earlier process, delivered before registering)."""
+        self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0
+    ) -> None: ...
 
     @abc.abstractmethod
     def task_finished(self, result: TaskResult, *, take: bool = True) -> list[Instruction]:

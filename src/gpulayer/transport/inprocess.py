@@ -97,15 +97,7 @@ class InProcessTransport(Transport):
         with _store_unavailable():
             self.plane.task_rendezvous(job_id, attempt, worker_id, port)
 
-    def append_logs(
-        self,
-        job_id: str,
-        attempt: int,
-        lines: list[LogLine],
-        node: int = 0,
-        *,
-        worker_id: str | None = None,
-    ) -> None:
+    def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
         with _store_unavailable():
             self.plane.append_logs(job_id, attempt, lines, node)
 

@@ -9,7 +9,9 @@ output. Each task buffers at most ``max_lines`` unsent lines. When a buffer
 is full and the control plane answers, the reader waits briefly for room
 (the job blocks on its pipe: nothing is lost); when it does not answer, the
 oldest lines are dropped and a system line says how many, so a job never
-waits on a network that is down and cannot exhaust memory.
+waits on a network that is down and cannot exhaust memory. Lines the
+control plane refuses (it answered, and said no) are dropped, with a
+warning, rather than sent again.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .. import defaults
-from ..errors import ServerUnreachable
+from ..errors import GPUlayerError, ServerUnreachable
 from ..jobs import LogLine
 
 log = logging.getLogger(__name__)
@@ -154,10 +156,11 @@ class LogSender:
             if lines:
                 try:
                     self._deliver_now(task, lines)
-                except Exception:
+                except Exception as exc:
                     with self.cond:
                         task.sending = []
-                        self._restore(task, lines)
+                        if not _refused(exc):
+                            self._restore(task, lines)
                     raise
                 with self.cond:
                     task.sending = []
@@ -192,6 +195,18 @@ class LogSender:
             with self.cond:
                 task.sending = []
         except Exception as exc:
+            if _refused(exc):
+                # Sent again, they would be refused again: the server answered.
+                log.warning(
+                    "the server refused %d log lines of job %s; dropping them: %s",
+                    len(lines),
+                    task.job_id,
+                    exc,
+                )
+                with self.cond:
+                    task.sending = []
+                    self.healthy = True
+                return
             # Keep the lines (within the bound) for the next batch; say so
             # once per outage, not at every retry.
             if self.healthy:
@@ -242,6 +257,12 @@ class LogSender:
         self._thread.join()
         for task in tasks:
             self.send_task(task)
+
+
+def _refused(exc: BaseException) -> bool:
+    """The server answered, and said no (not: could not be reached, or
+    could not do it now)."""
+    return isinstance(exc, GPUlayerError) and not isinstance(exc, ServerUnreachable)
 
 
 def in_batches(lines: list[LogLine], limit: int) -> list[list[LogLine]]:

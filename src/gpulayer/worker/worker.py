@@ -213,9 +213,7 @@ class Worker:
         result = kept.result
         try:
             for batch in in_batches(kept.lines, defaults.LOG_BATCH_MAX_BYTES):
-                self.transport.append_logs(
-                    result.job_id, result.attempt, batch, result.node, worker_id=result.worker_id
-                )
+                self.transport.append_logs(result.job_id, result.attempt, batch, result.node)
         except (ServerUnreachable, AccessDenied):
             raise
         except GPUlayerError as exc:
