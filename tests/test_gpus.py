@@ -7,10 +7,12 @@ tools of a GPU machine never leak in; NVML is blocked (or faked) through
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 import time
@@ -21,7 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
-from gpulayer.errors import WorkerError
+from gpulayer.errors import GPUlayerError, WorkerError
 from gpulayer.worker.gpulocks import claim_gpus, unclaimed
 from gpulayer.worker.gpus import (
     GPUS_HELP,
@@ -374,26 +376,33 @@ def test_share_gpus_refuses_two_vendors() -> None:
         share_gpus(MIXED, 2)
 
 
-def test_a_gpu_is_claimed_by_one_worker_at_a_time_and_freed_when_its_holder_dies(
-    tmp_path: Path,
-) -> None:
-    gpus = [Gpu(index=i, vendor="nvidia", name="T", uuid=f"GPU-{i}") for i in range(3)]
+def _fake(count: int) -> list[Gpu]:
+    return [Gpu(index=i, vendor="nvidia", name="T", uuid=f"GPU-{i}") for i in range(count)]
+
+
+def test_a_gpu_is_claimed_by_one_worker_at_a_time_and_freed_when_its_holder_dies() -> None:
+    gpus = _fake(3)
     held = claim_gpus(gpus[1:2])
-    assert unclaimed(gpus) == ([gpus[0], gpus[2]], [f"nvidia GPU 1 (pid {os.getpid()})"])
+    assert unclaimed(gpus) == [gpus[0], gpus[2]]
     with pytest.raises(WorkerError) as refused:  # all or nothing
         claim_gpus(gpus)
     assert str(refused.value) == (
         f"another GPUlayer worker on this machine offers nvidia GPU 1 (pid {os.getpid()}); "
         "a GPU is offered by one worker at a time"
     )
-    assert unclaimed(gpus)[0] == [gpus[0], gpus[2]], "the refused claim kept nothing"
+    assert unclaimed(gpus) == [gpus[0], gpus[2]], "the refused claim kept nothing"
+    rest = claim_gpus(gpus, all_of_them=False)  # those left, in one pass
+    assert (rest.gpus, rest.taken) == ([gpus[0], gpus[2]], [f"nvidia GPU 1 (pid {os.getpid()})"])
+    with pytest.raises(WorkerError, match="offers every GPU this one would: nvidia GPU 0 "):
+        claim_gpus(gpus[:1], all_of_them=False)
     held.release()
-    assert unclaimed(gpus) == (gpus, [])
+    rest.release()
+    assert unclaimed(gpus) == gpus
     # Held by another process, which is then killed: the kernel frees it.
     code = (
         "import sys; from gpulayer.worker.gpulocks import claim_gpus; "
         "from gpulayer.worker.gpus import Gpu; "
-        "c = claim_gpus([Gpu(index=2, vendor='nvidia', name='T', uuid='GPU-2')]); "
+        "c = claim_gpus([Gpu(index=2, vendor='nvidia', name='T')]); "
         "print('held', flush=True); sys.stdin.read()"
     )
     with subprocess.Popen(
@@ -401,15 +410,71 @@ def test_a_gpu_is_claimed_by_one_worker_at_a_time_and_freed_when_its_holder_dies
     ) as holder:
         try:
             assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-            assert unclaimed(gpus)[1] == [f"nvidia GPU 2 (pid {holder.pid})"]
+            assert unclaimed(gpus) == gpus[:2]
+            with pytest.raises(WorkerError, match=f"offers nvidia GPU 2 \\(pid {holder.pid}\\)"):
+                claim_gpus(gpus)
         finally:
             holder.kill()
-    assert unclaimed(gpus) == (gpus, [])
-    assert sorted(p.name for p in Path(os.environ["GPULAYER_GPU_LOCKS"]).iterdir()) == [
-        "GPU-0.lock",
-        "GPU-1.lock",
-        "GPU-2.lock",
-    ]
+    assert unclaimed(gpus) == gpus
+    locks = Path(os.environ["GPULAYER_GPU_LOCKS"])
+    assert sorted(p.name for p in locks.iterdir()) == [f"nvidia-{i}.lock" for i in range(3)]
+    assert {p.read_bytes() for p in locks.iterdir()} == {b""}, "nothing is written to them"
+    assert {oct(p.stat().st_mode & 0o7777) for p in locks.iterdir()} == {"0o644"}
+    assert oct(locks.stat().st_mode & 0o7777) == "0o1777"
+
+
+def test_what_another_user_plants_in_the_claims_directory_makes_a_claim_fail_not_harm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (gpu,) = _fake(1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    locks = Path(os.environ["GPULAYER_GPU_LOCKS"])
+    locks.mkdir()
+    (locks / "nvidia-0.lock").symlink_to(victim)
+    with pytest.raises(WorkerError, match=r"nvidia-0\.lock: it is a symbolic link"):
+        claim_gpus([gpu])
+    assert victim.read_text() == "precious"
+    (locks / "nvidia-0.lock").unlink()
+    os.mkfifo(locks / "nvidia-0.lock")  # would block an open for reading
+    with pytest.raises(WorkerError, match=r"nvidia-0\.lock is not a regular file"):
+        claim_gpus([gpu])
+    # The directory itself a link, to a private directory: not followed, not opened up.
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setenv("GPULAYER_GPU_LOCKS", str(tmp_path / "linked"))
+    (tmp_path / "linked").symlink_to(private)
+    with pytest.raises(WorkerError, match=r"cannot keep GPU claims in .*linked"):
+        claim_gpus([gpu])
+    assert oct(private.stat().st_mode & 0o7777) == "0o700"
+
+
+def test_a_child_forked_without_exec_does_not_keep_its_parents_claims() -> None:
+    import warnings
+
+    gpus = _fake(1)
+    claim = claim_gpus(gpus)
+    read, write = os.pipe()
+    ready_read, ready = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12: forking with threads
+        child = os.fork()
+    if child == 0:  # a multiprocessing pool's worker, say, running on
+        os.close(write)
+        os.write(ready, b"x")
+        os.read(read, 1)
+        os._exit(0)
+    os.close(read)
+    os.close(ready)
+    try:
+        assert os.read(ready_read, 1) == b"x"
+        os.close(ready_read)
+        claim.release()
+        again = claim_gpus(gpus)  # the child still lives, with a copy of the descriptor
+        again.release()
+    finally:
+        os.close(write)
+        os.waitpid(child, 0)
 
 
 def test_a_worker_offering_gpus_claims_them_until_it_stops(tmp_path: Path) -> None:
@@ -419,7 +484,7 @@ def test_a_worker_offering_gpus_claims_them_until_it_stops(tmp_path: Path) -> No
     from gpulayer.transport.inprocess import InProcessTransport
     from gpulayer.worker.worker import Worker
 
-    gpus = [Gpu(index=i, vendor="nvidia", name="T", uuid=f"GPU-{i}") for i in range(2)]
+    gpus = _fake(2)
     store = SqliteStore(tmp_path / "db.sqlite")
     cache = ArtifactStore(tmp_path / "c")
     transport = InProcessTransport(ControlPlane(store, instance_id="t"), cache)
@@ -433,8 +498,16 @@ def test_a_worker_offering_gpus_claims_them_until_it_stops(tmp_path: Path) -> No
         worker(gpus)
     first.stop()
     second = worker(gpus)
-    assert unclaimed(gpus) == ([], [f"nvidia GPU {i} (pid {os.getpid()})" for i in range(2)])
+    assert unclaimed(gpus) == []
     second.start()
     second.stop()
-    assert unclaimed(gpus) == (gpus, [])
+    assert unclaimed(gpus) == gpus
+    never_started = worker(gpus)
+    with contextlib.suppress(Exception):
+        never_started.stop()
+    assert unclaimed(gpus) == gpus
     store.close()
+    refused = worker(gpus)  # its start fails: the store is closed
+    with pytest.raises((GPUlayerError, sqlite3.ProgrammingError)):
+        refused.start()
+    assert unclaimed(gpus) == gpus, "a worker that failed to start keeps no GPU"

@@ -538,7 +538,7 @@ def worker_start(
     from .artifacts import ArtifactStore
     from .home import resolve_home
     from .transport.http import HttpTransport
-    from .worker.gpulocks import unclaimed
+    from .worker.gpulocks import claim_gpus
     from .worker.gpus import detect_gpus, select_gpus
     from .worker.worker import Worker
 
@@ -549,19 +549,13 @@ def worker_start(
         gpus = select_gpus(detect_gpus() if gpu_choice != "none" else [], gpu_choice)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--gpus") from None
-    if gpu_choice.strip().lower() in ("all", "nvidia", "amd"):
-        # Those another worker on this machine offers are left to it; GPUs
-        # named one by one are claimed or refused (see Worker).
-        gpus, taken = unclaimed(gpus)
-        if taken and not gpus:
-            raise click.ClickException(
-                f"another GPUlayer worker on this machine offers every GPU this one would: "
-                f"{', '.join(taken)}; start this one with --gpus none to offer CPU slots"
-            )
-        if taken:
-            click.echo(
-                f"gpulayer: not offering {', '.join(taken)}: another worker offers it", err=True
-            )
+    # Those another worker on this machine offers are left to it (all, or a
+    # vendor's); GPUs named one by one are claimed all, or refused.
+    claim = claim_gpus(gpus, all_of_them=gpu_choice.strip().lower() not in ("all", "nvidia", "amd"))
+    if claim.taken:
+        click.echo(
+            f"gpulayer: not offering {', '.join(claim.taken)}: another worker offers it", err=True
+        )
     home = resolve_home(ctx.obj["home"])
     transport = HttpTransport(url, token=ctx.obj["token"], ca_file=ctx.obj["ca_file"])
     stop = threading.Event()
@@ -571,7 +565,8 @@ def worker_start(
         work_dir=home / "workers",
         name=name,
         slots=slots,
-        gpus=gpus,
+        gpus=claim.gpus,
+        gpu_claim=claim,
         kill_grace=kill_grace,
         heartbeat_interval=defaults.HEARTBEAT_INTERVAL_S,
         address=advertise or transport.local_address(),

@@ -178,7 +178,7 @@ class Client:
                     self._gpus = detect_gpus()
                 claimed = {(g.vendor, g.index) for w in self._local_workers for g in w.gpus}
                 # Nor one that a worker started otherwise offers.
-                free, _ = unclaimed([g for g in self._gpus if (g.vendor, g.index) not in claimed])
+                free = unclaimed([g for g in self._gpus if (g.vendor, g.index) not in claimed])
                 started = []
                 for share in share_gpus(free, missing):
                     # Never a name in use: not after a worker ended and another replaces

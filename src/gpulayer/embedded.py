@@ -84,7 +84,7 @@ class Embedded:
                 self._gpus = detect_gpus()
             claimed = {(g.vendor, g.index) for w in self.workers for g in w.gpus}
             # Nor one that a worker of another process offers.
-            free, _ = unclaimed([g for g in self._gpus if (g.vendor, g.index) not in claimed])
+            free = unclaimed([g for g in self._gpus if (g.vendor, g.index) not in claimed])
             for share in share_gpus(free, missing):
                 worker = Worker(
                     self.transport,

@@ -37,7 +37,7 @@ from ..errors import (
 )
 from ..jobs import CancelTask, Instruction, Rendezvous, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
-from .gpulocks import claim_gpus
+from .gpulocks import GpuClaim, claim_gpus
 from .gpus import MIXED_VENDORS, Gpu, detect_gpus
 from .launch import interface_of
 from .ledger import Kept, Ledger
@@ -72,6 +72,7 @@ class Worker:
         address: str | None = None,
         ledger: bool = False,
         on_give_up: Callable[[], None] | None = None,
+        gpu_claim: GpuClaim | None = None,
     ) -> None:
         if slots is not None and slots < 1:
             raise WorkerError(f"a worker needs at least one slot, got slots={slots}")
@@ -89,8 +90,6 @@ class Worker:
                 f"this worker offers {len(self.gpus)} GPUs, so it has one slot per GPU, not "
                 f"{slots}; a worker offering no GPUs (--gpus none) takes a slot count"
             )
-        # Machine-wide: no other worker, however started, offers these now.
-        self._claim = claim_gpus(self.gpus)
         slot_gpus: list[int | None] = (
             [g.index for g in self.gpus] if self.gpus else [None] * (slots or 1)
         )
@@ -134,12 +133,24 @@ class Worker:
         self._registering = threading.RLock()
         # Cancels and master ports that came before their task (see _handle).
         self._early: dict[tuple[str, int], list[Instruction]] = {}
+        # Machine-wide: no other worker, however started, offers these GPUs
+        # while this one does (see gpulocks.py). Last: nothing after can fail.
+        if gpu_claim is not None and gpu_claim.gpus != self.gpus:
+            raise WorkerError("a worker offers exactly the GPUs of the claim it is given")
+        self._claim = gpu_claim or claim_gpus(self.gpus)
 
     @property
     def id(self) -> str:
         return self.info.id
 
     def start(self) -> None:
+        try:
+            self._start()
+        except BaseException:
+            self._claim.release()  # not serving: its GPUs are free for another worker
+            raise
+
+    def _start(self) -> None:
         adopted = False
         if self._ledger is not None:
             previous = self._ledger.recover(grace=self.kill_grace)
@@ -457,6 +468,16 @@ class Worker:
 
     def stop(self, timeout: float | None = None) -> None:
         """End running tasks (reported lost), then leave the control plane."""
+        all_ended = False
+        try:
+            all_ended = self._stop(timeout)
+        finally:
+            # A task that outlived the wait still uses its GPUs: they stay
+            # claimed while this worker object lives.
+            if all_ended or self._thread is None:
+                self._claim.release()
+
+    def _stop(self, timeout: float | None) -> bool:
         self._stopping.set()
         if self.info.id:  # first, so nothing more is placed here while the tasks end
             with contextlib.suppress(GPUlayerError):  # not heard: handed back (see _start_task)
@@ -498,6 +519,6 @@ class Worker:
             shutil.rmtree(self.tasks_dir, ignore_errors=True)
             if self._ledger is not None:
                 self._ledger.close()
-        self._claim.release()
         # Else a task outlived the wait: its folder and the ledger stay, for
         # the next worker on this home to end what is left and tidy up.
+        return all_ended
