@@ -423,7 +423,7 @@ def test_a_gpu_is_claimed_by_one_worker_at_a_time_and_freed_when_its_holder_dies
     assert oct(locks.stat().st_mode & 0o7777) == "0o1777"
 
 
-def test_what_another_user_plants_in_the_claims_directory_makes_a_claim_fail_not_harm(
+def test_what_another_user_plants_in_the_claims_directory_harms_no_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (gpu,) = _fake(1)
@@ -435,6 +435,12 @@ def test_what_another_user_plants_in_the_claims_directory_makes_a_claim_fail_not
     with pytest.raises(WorkerError, match=r"nvidia-0\.lock: it is a symbolic link"):
         claim_gpus([gpu])
     assert victim.read_text() == "precious"
+    (locks / "nvidia-0.lock").unlink()
+    # A hard link to a private file of the worker's user: locked, left as it is.
+    victim.chmod(0o600)
+    os.link(victim, locks / "nvidia-0.lock")
+    claim_gpus([gpu]).release()
+    assert (victim.read_text(), oct(victim.stat().st_mode & 0o777)) == ("precious", "0o600")
     (locks / "nvidia-0.lock").unlink()
     os.mkfifo(locks / "nvidia-0.lock")  # would block an open for reading
     with pytest.raises(WorkerError, match=r"nvidia-0\.lock is not a regular file"):

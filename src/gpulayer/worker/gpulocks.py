@@ -102,20 +102,25 @@ class _Directory:
     def open(self, gpu: Gpu) -> int:
         """A descriptor of ``gpu``'s lock file, made if missing."""
         name = _name(gpu)
+        # Read-only: a lock needs no more, and nothing here writes.
         try:
             try:
-                fd = os.open(name, os.O_RDWR | os.O_CREAT | _OPEN, 0o644, dir_fd=self.fd)
-            except PermissionError:  # another user's file: a lock needs no write access
-                fd = os.open(name, os.O_RDONLY | _OPEN, dir_fd=self.fd)
+                fd = os.open(
+                    name, os.O_RDONLY | os.O_CREAT | os.O_EXCL | _OPEN, 0o644, dir_fd=self.fd
+                )
+                made = True
+            except FileExistsError:
+                fd, made = os.open(name, os.O_RDONLY | _OPEN, dir_fd=self.fd), False
         except OSError as exc:
             reason = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
             raise _refuse(self.path, f"{name}: {reason or exc}") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
+        if made:
+            # Whatever the umask: others must open it too. Only a file made
+            # just now: an old one may be a hard link to a private file.
+            os.fchmod(fd, 0o644)
+        elif not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise _refuse(self.path, f"{name} is not a regular file")
-        if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != 0o644:
-            os.fchmod(fd, 0o644)  # whatever the umask: others must open it too
         return fd
 
     def same_file(self, gpu: Gpu, fd: int) -> bool:
