@@ -69,6 +69,8 @@ class Client:
         self._forwarders: list[threading.Thread] = []
         self._gpus: list[Gpu] | None = None  # this machine's, once local workers need them
         self._closed = False
+        # Set as close() begins, before it waits for a start under way.
+        self._closing = threading.Event()
         self.url = url
         self.home = resolve_home(home)
         self._embedded: Embedded | None = None
@@ -110,6 +112,12 @@ class Client:
         if self._embedded is not None:
             self._embedded.close()
             self._embedded = None
+        self._closing.set()
+        for worker in list(self._local_workers):
+            if worker.id is None and worker.proc.poll() is None:
+                # A start under way waits for it (an unresponsive server, say),
+                # holding the lock: not registered, it has nothing to end gently.
+                worker.proc.kill()
         with self._local_lock:
             self._closed = True
             procs = [w.proc for w in self._local_workers]
@@ -199,6 +207,9 @@ class Client:
                     )
                     started.append(_LocalWorker(proc, share))
                     self._local_workers.append(started[-1])  # at once: close() stops it
+                if self._closing.is_set():  # close() began meanwhile: these too
+                    for worker in started:
+                        worker.proc.kill()
                 failed = []
                 for worker in started:  # each, so that every one that runs has its stderr read
                     try:
@@ -208,6 +219,8 @@ class Client:
                         failed.append(exc)
                 if failed:
                     self._forget_ended_workers()  # their GPUs may be offered again
+                    if self._closing.is_set():
+                        raise GPUlayerError("this client is closed") from failed[0]
                     raise failed[0]
             ids = {w.id for w in self._local_workers}
         return [w for w in self._transport.list_workers() if w.id in ids]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -486,6 +487,35 @@ def test_a_local_worker_that_ended_is_replaced_under_a_new_name(server: ServerPr
         assert sorted(w.slot_gpus for w in again) == [[0, 2], [1]]  # its GPUs, offered again
     with pytest.raises(gpulayer.GPUlayerError, match="this client is closed"):
         client.ensure_local_workers(1)
+
+
+def test_close_ends_a_local_worker_start_that_an_unresponsive_server_holds() -> None:
+    """The start waits for its worker to register, holding the client's lock;
+    close() ends that worker first, rather than wait for it to give up."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)  # takes connections, never answers
+        client = gpulayer.Client(f"http://127.0.0.1:{mute.getsockname()[1]}", token="t")
+        failed: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                client.ensure_local_workers(1)
+            except gpulayer.GPUlayerError as exc:
+                failed.append(exc)
+
+        starting = threading.Thread(target=start)
+        starting.start()
+        mute.settimeout(60)
+        registering, _ = mute.accept()  # the worker's registration, never answered
+        closing = threading.Thread(target=client.close)
+        closing.start()
+        closing.join(20)  # the worker would give up after its 30 s timeout at the soonest
+        starting.join(20)
+        registering.close()
+        assert not closing.is_alive() and not starting.is_alive()
+        assert [str(exc) for exc in failed] == ["this client is closed"]
+        assert [p for p in psutil.Process().children() if "worker" in p.cmdline()] == []
 
 
 def test_local_workers_of_two_clients_and_a_failed_start(
