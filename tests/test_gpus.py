@@ -8,6 +8,7 @@ tools of a GPU machine never leak in; NVML is blocked (or faked) through
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -455,6 +456,56 @@ def test_what_another_user_plants_in_the_claims_directory_harms_no_file(
     assert oct(private.stat().st_mode & 0o7777) == "0o700"
 
 
+def test_a_look_at_the_claims_never_makes_a_claim_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A look locks each file shared for an instant; a claim meeting one
+    tries again, and gets it once the look is over."""
+    from gpulayer.worker import gpulocks
+
+    gpus = _fake(1)
+    directory = gpulocks._Directory()
+    look = directory.open(gpus[0])
+    fcntl.flock(look, fcntl.LOCK_SH)  # a look under way, from another process say
+    waits: list[float] = []
+
+    def look_ends(seconds: float) -> None:
+        waits.append(seconds)
+        fcntl.flock(look, fcntl.LOCK_UN)
+
+    monkeypatch.setattr(gpulocks.time, "sleep", look_ends)
+    claim = claim_gpus(gpus)
+    assert claim.gpus == gpus and len(waits) == 1
+    claim.release()
+    os.close(look)
+    directory.close()
+
+
+def test_the_claims_directory_must_be_roots_or_the_workers_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpus = _fake(1)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o750)  # an admin's choice: kept as it is
+    monkeypatch.setenv("GPULAYER_GPU_LOCKS", str(mine))
+    claim_gpus(gpus).release()
+    assert oct(mine.stat().st_mode & 0o7777) == "0o750"
+    mine.chmod(0o777)  # others could delete a lock file, and claim the GPU twice
+    with pytest.raises(WorkerError, match="others may write to it and it is not sticky"):
+        claim_gpus(gpus)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root makes a directory another user owns")
+def test_a_claims_directory_another_user_owns_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpus = _fake(1)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o1777)
+    os.chown(theirs, 65534, 65534)  # nobody's: its owner may delete any file in it
+    monkeypatch.setenv("GPULAYER_GPU_LOCKS", str(theirs))
+    with pytest.raises(WorkerError, match=r"it belongs to another user \(65534\)"):
+        unclaimed(gpus)
+
+
 def test_a_child_forked_without_exec_does_not_keep_its_parents_claims() -> None:
     import warnings
 
@@ -467,8 +518,14 @@ def test_a_child_forked_without_exec_does_not_keep_its_parents_claims() -> None:
         child = os.fork()
     if child == 0:  # a multiprocessing pool's worker, say, running on
         os.close(write)
+        mine = os.open(os.devnull, os.O_RDONLY)  # may get a number the claim had
+        claim.release()  # as its __del__ would: leaves the child's own files alone
         os.write(ready, b"x")
         os.read(read, 1)
+        try:
+            os.fstat(mine)
+        except OSError:
+            os._exit(1)
         os._exit(0)
     os.close(read)
     os.close(ready)
@@ -480,7 +537,7 @@ def test_a_child_forked_without_exec_does_not_keep_its_parents_claims() -> None:
         again.release()
     finally:
         os.close(write)
-        os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
 
 
 def test_a_worker_offering_gpus_claims_them_until_it_stops(tmp_path: Path) -> None:

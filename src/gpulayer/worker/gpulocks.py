@@ -4,17 +4,20 @@ Workers started together (one client's local workers) split the GPUs
 between them. Workers started apart (two ``gpulayer worker start``, two
 clients) know nothing of each other, so each takes a machine-wide claim on
 the GPUs it offers: an exclusive ``flock`` on a file per GPU (``nvidia-0.lock``)
-in a directory every user can write: ``GPULAYER_GPU_LOCKS``, else
-``gpulayer-gpu-locks`` in the system's temporary directory. The kernel drops
-a claim when its holder exits, however it ends, so a killed worker never
-leaves a GPU claimed. Who holds a claim is read from ``/proc/locks``.
+in one directory: ``GPULAYER_GPU_LOCKS``, else ``gpulayer-gpu-locks`` in the
+system's temporary directory. The kernel drops a claim when its holder
+exits, however it ends, so a killed worker never leaves a GPU claimed.
 
-The directory may be shared with other users, so nothing here follows a
-symbolic link, opens anything but a regular file, or writes to a file: a
-name another user planted can make a claim fail, never clobber a file.
-Only the worker holds its claims: the descriptors are closed on exec and in
-a child forked without exec, so a task, or a pool the user forks, does not
-keep them.
+A look (:func:`unclaimed`) takes a shared lock for an instant; a claim that
+meets one tries again a few times, so a look never makes a claim fail.
+Who holds a claim is read from ``/proc/locks``, for messages only: that
+table may not show a holder (one in another PID namespace).
+
+Other users may write to the directory, so nothing here follows a symbolic
+link, opens anything but a regular file, writes to a file, or changes the
+mode of a file it did not just make: a name planted there can make a claim
+fail, never harm a file. Only the worker holds its claims: the descriptors
+are closed on exec and in a child forked without exec.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import errno
 import fcntl
 import os
 import stat
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,8 +35,11 @@ from ..errors import WorkerError
 from .gpus import Gpu
 
 ENV = "GPULAYER_GPU_LOCKS"
-_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a link; a FIFO cannot block
+_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO cannot block
 _HELD: set[int] = set()  # every claim's descriptor in this process
+# A claim that finds its GPU locked tries again this often, this far apart:
+# a look holds its lock for microseconds.
+_TRIES, _TRY_GAP_S = 5, 0.002
 
 
 def _forget_in_child() -> None:
@@ -69,29 +76,35 @@ def describe(gpu: Gpu) -> str:
 def _refuse(directory: Path, why: str) -> WorkerError:
     return WorkerError(
         f"cannot keep GPU claims in {directory}: {why}; set {ENV} to a directory "
-        "that every worker on this machine can write and no other user owns"
+        "that root or the worker's user owns (see docs/scheduling.md#gpu-claims-across-a-machine)"
     )
 
 
 class _Directory:
-    """The claims' directory, opened without following a link, and checked:
-    ours or root's, or sticky (as ``/tmp``), so no other user can swap our
-    files."""
+    """The claims' directory, opened without following a link. Only one
+    that root or this user owns, and, if others may write to it, sticky:
+    no one else can then delete or swap a lock file."""
 
     def __init__(self) -> None:
         self.path = path = lock_dir()
         try:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(path, 0o700)  # opened up below, once known to be ours
+            try:
+                os.mkdir(path, 0o700)
+                made = True
+            except FileExistsError:
+                made = False
             self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
-            raise _refuse(path, exc.strerror or str(exc)) from None
+            reason = {errno.ELOOP: "it is a symbolic link", errno.ENOTDIR: "it is not a directory"}
+            raise _refuse(path, reason.get(exc.errno or 0, exc.strerror or str(exc))) from None
         try:
             st = os.fstat(self.fd)
-            if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) != 0o1777:
-                os.fchmod(self.fd, 0o1777)  # every user's workers claim GPUs here
-            elif st.st_uid not in (0, os.getuid()) and not st.st_mode & stat.S_ISVTX:
-                raise _refuse(path, f"it belongs to user {st.st_uid} and is not sticky")
+            if made and st.st_uid == os.getuid():
+                os.fchmod(self.fd, 0o1777)  # every user's workers claim GPUs here, as in /tmp
+            elif st.st_uid not in (0, os.getuid()):
+                raise _refuse(path, f"it belongs to another user ({st.st_uid})")
+            elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+                raise _refuse(path, "others may write to it and it is not sticky")
         except BaseException:
             self.close()
             raise
@@ -100,17 +113,15 @@ class _Directory:
         os.close(self.fd)
 
     def open(self, gpu: Gpu) -> int:
-        """A descriptor of ``gpu``'s lock file, made if missing."""
+        """A descriptor of ``gpu``'s lock file (read-only: a lock needs no
+        more), made if missing."""
         name = _name(gpu)
-        # Read-only: a lock needs no more, and nothing here writes.
         try:
             try:
-                fd = os.open(
-                    name, os.O_RDONLY | os.O_CREAT | os.O_EXCL | _OPEN, 0o644, dir_fd=self.fd
-                )
+                fd = os.open(name, _OPEN | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=self.fd)
                 made = True
             except FileExistsError:
-                fd, made = os.open(name, os.O_RDONLY | _OPEN, dir_fd=self.fd), False
+                fd, made = os.open(name, _OPEN, dir_fd=self.fd), False
         except OSError as exc:
             reason = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
             raise _refuse(self.path, f"{name}: {reason or exc}") from None
@@ -133,34 +144,29 @@ class _Directory:
         held = os.fstat(fd)
         return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
-    def holder(self, gpu: Gpu) -> str | None:
-        """Who holds ``gpu``'s claim, as ``pid N``; None if no one does (its
-        file is missing, or not locked). ``another process`` where
-        ``/proc/locks`` does not say."""
-        try:
-            st = os.stat(_name(gpu), dir_fd=self.fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        try:
-            with open("/proc/locks", encoding="ascii", errors="replace") as locks:
-                table = locks.read()
-        except OSError:  # no /proc/locks here: a look with a shared lock tells
-            fd = self.open(gpu)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return "another process"
-            finally:
-                os.close(fd)
-            return None
-        inode = f":{st.st_ino}"
-        for line in table.splitlines():
-            # "1: FLOCK  ADVISORY  WRITE 12464 fe:00:2679792 0 EOF". By inode
-            # alone: on overlayfs the device differs from the one stat shows.
-            parts = line.split()
-            if len(parts) >= 6 and parts[1] == "FLOCK" and parts[-3].endswith(inode):
-                return f"pid {parts[-4]}"
-        return None
+    def holder(self, fd: int) -> str:
+        """Who holds the lock on ``fd``'s file, for a message: ``pid N``, or
+        ``another process`` where ``/proc/locks`` does not say."""
+        st = os.fstat(fd)
+        wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with (
+            contextlib.suppress(OSError),
+            open("/proc/locks", encoding="ascii", errors="replace") as locks,
+        ):
+            for line in locks:
+                # "1: FLOCK  ADVISORY  WRITE 12464 fe:00:2679792 0 EOF"
+                parts = line.split()
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[-3] == wanted:
+                    return f"pid {parts[-4]}"
+        return "another process"
+
+
+def _locked(fd: int, how: int) -> bool:
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 class GpuClaim:
@@ -170,28 +176,32 @@ class GpuClaim:
         self.gpus: list[Gpu] = []
         self.taken: list[str] = []  # those it could not claim, and who holds them
         self._fds: list[int] = []
+        self._pid = os.getpid()
 
     def _take(self, gpu: Gpu, directory: _Directory) -> str | None:
         """Claim ``gpu``; None once claimed, else who holds it."""
-        for _ in range(3):  # its file replaced meanwhile: once more
+        for attempt in range(_TRIES):
             fd = directory.open(gpu)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
+            if not _locked(fd, fcntl.LOCK_EX):
+                if attempt + 1 < _TRIES:
+                    os.close(fd)
+                    time.sleep(_TRY_GAP_S)  # a look, maybe, that lets go at once
+                    continue
+                holder = directory.holder(fd)
                 os.close(fd)
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise _refuse(directory.path, f"{_name(gpu)}: {exc.strerror}") from None
-                return directory.holder(gpu) or "another process"
+                return holder
             if directory.same_file(gpu, fd):
                 self._fds.append(fd)
                 _HELD.add(fd)
                 self.gpus.append(gpu)
                 return None
-            os.close(fd)
+            os.close(fd)  # deleted or replaced since it was opened: once more
         raise _refuse(directory.path, f"{_name(gpu)} keeps being replaced")
 
     def release(self) -> None:
         fds, self._fds, self.gpus = self._fds, [], []
+        if os.getpid() != self._pid:
+            return  # a forked child's copies are closed already (see _forget_in_child)
         for fd in fds:
             _HELD.discard(fd)
             os.close(fd)  # the lock goes with the last descriptor of its file
@@ -235,13 +245,21 @@ def claim_gpus(gpus: Sequence[Gpu], *, all_of_them: bool = True) -> GpuClaim:
 
 
 def unclaimed(gpus: Sequence[Gpu]) -> list[Gpu]:
-    """Those of ``gpus`` that no worker claims now, read from ``/proc/locks``
-    without taking any lock (a look never makes a claim fail). A GPU may be
+    """Those of ``gpus`` that no worker claims now: each one's file is locked
+    shared for an instant (a claim that meets it tries again). A GPU may be
     claimed right after: :func:`claim_gpus` is the check that counts."""
     if not gpus:
         return []
     directory = _Directory()
+    free = []
     try:
-        return [g for g in gpus if directory.holder(g) is None]
+        for gpu in gpus:
+            fd = directory.open(gpu)
+            try:
+                if _locked(fd, fcntl.LOCK_SH):
+                    free.append(gpu)
+            finally:
+                os.close(fd)
     finally:
         directory.close()
+    return free
