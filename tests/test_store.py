@@ -24,9 +24,13 @@ def test_new_store_is_migrated_and_reopens_with_its_data(tmp_path: Path) -> None
         )
     store.append_logs("j1", 1, [LogLine(1, 2.0, "stdout", "hi")])
     with store.transaction() as tx:
-        for worker, digest in [("w1", "a" * 64), ("w2", "b" * 64), ("w3", None), ("w1", "c" * 64)]:
+        for at, (worker, digest) in enumerate(
+            [("w1", "a" * 64), ("w2", "b" * 64), ("w3", None), ("w1", "c" * 64), ("w1", "c" * 64)]
+        ):
             tx.upsert_worker(
-                WorkerInfo(id=worker, name=worker, host="h", slot_gpus=[None]), token_digest=digest
+                WorkerInfo(id=worker, name=worker, host="h", slot_gpus=[None]),
+                token_digest=digest,
+                at=float(at),
             )
         tx.delete_worker("w2")
     store.close()
@@ -36,8 +40,13 @@ def test_new_store_is_migrated_and_reopens_with_its_data(tmp_path: Path) -> None
     assert [line.text for _, line in again.read_logs("j1")] == ["hi"]
     assert again.worker_bindings() == {"w1": "c" * 64}  # the last one holds; none without auth
     assert {w.id for w in again.list_workers()} == {"w1", "w3"}
-    # Kept after the worker is gone (a worker token's late log lines).
-    assert [again.last_binding(w) for w in ("w1", "w2", "w3")] == ["c" * 64, "b" * 64, None]
+    # Kept after the worker is gone (a worker token's late log lines), since
+    # the first registration with that token.
+    assert [again.last_binding(w) for w in ("w1", "w2", "w3")] == [
+        ("c" * 64, 3.0),
+        ("b" * 64, 1.0),
+        None,
+    ]
     again.close()
 
 
@@ -50,22 +59,26 @@ def test_the_workers_of_a_requeued_attempt_are_kept_for_its_late_log_lines(
         for job_id in ("one", "gang"):
             tx.insert_job(JobInfo(id=job_id, spec=JobSpec(command=["x"]), seq=1))
         tx.place("one", worker="w0", slots=[0], gpus=[], attempt=1, at=1.0)
-        tx.place("gang", worker="w0", slots=[0], gpus=[], attempt=1, at=1.0, tasks=gang)
-    assert [store.task_worker("one", 1, n) for n in (0, 1)] == ["w0", None]
-    assert [store.task_worker("gang", 1, n) for n in (0, 1, 2)] == ["w0", "w1", None]
+        tx.place("gang", worker="w0", slots=[0], gpus=[], attempt=1, at=1.5, tasks=gang)
+
+    def workers(job_id: str, pairs: list[tuple[int, int]]) -> list[tuple[str, float] | None]:
+        return [store.task_worker(job_id, attempt, node) for attempt, node in pairs]
+
+    assert workers("one", [(1, 0), (1, 1)]) == [("w0", 1.0), None]
+    assert workers("gang", [(1, 0), (1, 1), (1, 2)]) == [("w0", 1.5), ("w1", 1.5), None]
     with store.transaction() as tx:
         for job_id in ("one", "gang"):
             tx.requeue(job_id, reason="retrying: lost", owner="s")
     # Queued again, the rows name no worker: the history answers.
-    assert [store.task_worker("one", 1, n) for n in (0, 1)] == ["w0", None]
-    assert [store.task_worker("gang", 1, n) for n in (0, 1)] == ["w0", "w1"]
+    assert workers("one", [(1, 0), (1, 1)]) == [("w0", 1.0), None]
+    assert workers("gang", [(1, 0), (1, 1)]) == [("w0", 1.5), ("w1", 1.5)]
     with store.transaction() as tx:
         tx.place("one", worker="w2", slots=[0], gpus=[], attempt=2, at=2.0)
-    assert [store.task_worker("one", a) for a in (1, 2, 3)] == ["w0", "w2", None]
+    assert workers("one", [(1, 0), (2, 0), (3, 0)]) == [("w0", 1.0), ("w2", 2.0), None]
     # Given back unrun (its number is used again): it left no lines to come.
     with store.transaction() as tx:
         tx.requeue("one", reason=None, owner="s", attempt=1)
-    assert [store.task_worker("one", a) for a in (1, 2)] == ["w0", None]
+    assert workers("one", [(1, 0), (2, 0)]) == [("w0", 1.0), None]
     assert store.task_worker("nosuchjob", 1) is None
     store.close()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer.errors import InvalidStateError, ServerUnreachable
+from gpulayer.errors import InvalidStateError, ServerUnreachable, TransportError
 from gpulayer.jobs import LogLine, WorkerInfo
 from gpulayer.service import ControlPlane
 from gpulayer.spec import parse_spec
@@ -167,6 +167,32 @@ def test_failed_sends_are_retried_not_lost() -> None:
     task.flush()  # succeeds
     sender.stop()
     assert delivered == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        TransportError("the server failed (500): a bug"),
+        TransportError("the server refused the request (429): too many requests"),
+        ServerUnreachable("the server is unavailable (503): the disk is full"),
+    ],
+)
+def test_lines_a_failure_of_the_server_or_a_proxy_held_back_go_again(failure: Exception) -> None:
+    sent: list[list[str]] = []
+
+    def fails_once(job_id: str, attempt: int, lines: list[LogLine]) -> None:
+        sent.append([line.text for line in lines])
+        if len(sent) == 1:
+            raise failure
+
+    sender = LogSender(fails_once, interval=60.0)  # only the sends below
+    task = sender.open("job", 1)
+    task.add("stdout", "a")
+    task.flush()
+    task.add("stdout", "b")
+    task.flush()
+    sender.stop()
+    assert sent == [["a"], ["a", "b"]]
 
 
 def test_lines_the_server_refuses_are_dropped_not_sent_again() -> None:

@@ -83,8 +83,9 @@ def test_a_worker_token_cannot_act_for_a_worker_an_admin_registered(tmp_path: Pa
 
 def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Path) -> None:
     """Also to an attempt that ended in a retry (its worker was cut off), after
-    that worker is gone, and after a restart of the server. An attempt its
-    worker gave back unrun has no lines to come."""
+    that worker is gone, and after a restart of the server; not once another
+    token took the worker's id over. An attempt its worker gave back unrun
+    has no lines to come."""
     app, plane, _ = _app(tmp_path, "s1")
     ta, tb = (auth.create_token(plane.store, "worker") for _ in "ab")
     user = auth.create_token(plane.store, "user")
@@ -117,7 +118,7 @@ def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Pa
         )
         return str(worker["id"])
 
-    async def before_restart() -> None:
+    async def before_restart() -> tuple[str, str]:
         nonlocal jid
         quitter = await register(ta)
         spec = {"spec": {"command": ["sleep", "600"], "max_retries": 1}}
@@ -133,8 +134,8 @@ def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Pa
         assert await take(b, tb) == [(jid, 1)]
         assert await post(ta, 1, "forged") == (
             403,
-            f"attempt 1 of job {jid} ran on worker {b}, registered with another token; "
-            "this one cannot add lines to it",
+            f"attempt 1 of job {jid} ran on worker {b}, not while it was registered with "
+            "this token; this one cannot add lines to it",
         )
         assert (await post(tb, 2, "forged"))[0] == 409  # no attempt 2 yet
         assert await post(tb, 1, "b1") == (204, "")
@@ -149,8 +150,9 @@ def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Pa
         assert await post(tb, 1, "b1-late", seq=2) == (204, "")
         assert await post(ta, 2, "a2") == (204, "")
         assert await texts() == ["b1", "b1-late", "a2"]
+        return a, b
 
-    asyncio.run(before_restart())
+    a, b = asyncio.run(before_restart())
     plane.store.close()
     restarted = ControlPlane(SqliteStore(tmp_path / "db.sqlite"), instance_id="s2")
     restarted.recover("s1", workers_outlive=True)
@@ -161,6 +163,20 @@ def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Pa
         assert await post(tb, 1, "again-1", seq=3) == (204, "")
         assert await post(ta, 2, "again-2", seq=3) == (204, "")
         assert await texts() == ["b1", "b1-late", "again-1", "a2", "again-2"]
+        # A's job ends; its late lines are answered from the store.
+        result = {"job_id": jid, "attempt": 2, "worker_id": a, "outcome": "exited", "exit_code": 0}
+        await asgi_request(app, "POST", "/api/v1/tasks/finished", body=result, token=ta)
+        assert await post(ta, 2, "a2-late", seq=4) == (204, "")
+        # Another token takes B's id over (B is gone): B's past is not its to write.
+        body = _worker(b)
+        assert (await asgi_request(app, "POST", "/api/v1/workers", body=body, token=ta))[0] == 201
+        assert (await post(ta, 1, "forged", seq=4))[0] == 403
+        # A task of a worker whose token is not known (run before the server
+        # kept them): no worker token's.
+        with restarted.store.transaction() as tx:
+            tx.db.execute("DELETE FROM worker_tokens WHERE worker_id=?", (a,))
+        assert (await post(ta, 2, "forged", seq=5))[0] == 403
+        assert await texts() == ["b1", "b1-late", "again-1", "a2", "again-2", "a2-late"]
 
     asyncio.run(after_restart())
     restarted.store.close()

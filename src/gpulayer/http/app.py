@@ -557,21 +557,25 @@ class Api:
         return Response(status=204)
 
     def _check_runner(self, request: Request, batch: LogBatch) -> None:
-        """A worker token adds lines only to a task its worker runs or ran:
-        the one that registered with it last (after the worker is gone too)."""
-        task = f"{f'node {batch.node} of ' if batch.node else ''}attempt {batch.attempt}"
-        runner = self.plane.task_runner(batch.job_id, batch.attempt, batch.node)
-        if runner is None:  # 409: the lines are refused, not the token (see LogSender)
-            raise ApiError(409, f"no worker ran {task} of job {batch.job_id}")
+        """A worker token adds lines only to a task placed on a worker while
+        that worker was registered with it: not to one a worker ran before
+        another token took its id over, nor one of a worker registered
+        without auth."""
         _, digest, _, _ = request.scope[_CALLER]
-        owner = self._owners.get(runner)
-        if owner is None:  # the worker is gone (or registered without auth)
-            owner = self.plane.store.last_binding(runner)
-        if owner is not None and owner != digest:
+        running_on = self.plane.running_on(batch.job_id, batch.attempt, batch.node)
+        if running_on is not None and self._owners.get(running_on) == digest:
+            return  # the usual case, answered from memory
+        task = f"{f'node {batch.node} of ' if batch.node else ''}attempt {batch.attempt}"
+        ran = self.plane.store.task_worker(batch.job_id, batch.attempt, batch.node)
+        if ran is None:  # 409: the lines are refused, not the token (see LogSender)
+            raise ApiError(409, f"no worker ran {task} of job {batch.job_id}")
+        runner, placed = ran
+        binding = self.plane.store.last_binding(runner)
+        if binding is None or binding[0] != digest or placed < binding[1]:
             raise auth.AuthError(
                 403,
-                f"{task} of job {batch.job_id} ran on worker {runner}, registered with "
-                "another token; this one cannot add lines to it",
+                f"{task} of job {batch.job_id} ran on worker {runner}, not while it was "
+                "registered with this token; this one cannot add lines to it",
             )
 
     async def task_rendezvous(self, request: Request) -> Response:

@@ -149,7 +149,7 @@ class Fleet(PlaneCore):
                             tx.requeue(
                                 job_id, reason=None, owner=self.instance_id, attempt=run.attempt
                             )
-                    tx.upsert_worker(info, token_digest=token_digest)
+                    tx.upsert_worker(info, token_digest=token_digest, at=now)
                     assignments = self._plan()
                     self._record(tx, assignments, now)
             except StoreError:
@@ -486,15 +486,14 @@ class Fleet(PlaneCore):
                     )
                     worker.wake.fire()
 
-    def task_runner(self, job_id: str, attempt: int, node: int = 0) -> str | None:
-        """The worker that runs, or ran, ``node`` of the job's ``attempt`` (None:
-        none did). A worker token adds lines only to its worker's tasks."""
+    def running_on(self, job_id: str, attempt: int, node: int = 0) -> str | None:
+        """The worker that runs ``node`` of the job's ``attempt`` now; None if
+        it is not running (ended, or never ran: the store knows which)."""
         with self._lock:
             run = self._running.get(job_id)
             if run is not None and run.attempt == attempt:
                 return next((t.worker_id for t in run.tasks if t.node == node), None)
-        # Ended, or an earlier attempt (its worker was cut off, say): the store knows.
-        return self.store.task_worker(job_id, attempt, node)
+        return None
 
     def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:
         if not lines:

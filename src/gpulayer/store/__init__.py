@@ -105,8 +105,11 @@ class Transaction(abc.ABC):
         with ``workers``, its workers; else drop them). Returns the queued ids."""
 
     @abc.abstractmethod
-    def upsert_worker(self, worker: WorkerInfo, *, token_digest: str | None = None) -> None:
-        """Store the worker, with the sha256 of the token that registered it."""
+    def upsert_worker(
+        self, worker: WorkerInfo, *, token_digest: str | None = None, at: float = 0.0
+    ) -> None:
+        """Store the worker, with the sha256 of the token that registered it
+        (at ``at``: see :meth:`last_binding`)."""
 
     @abc.abstractmethod
     def delete_worker(self, worker_id: str) -> None: ...
@@ -149,14 +152,15 @@ class Store(abc.ABC):
         """For a job of several nodes: each node's last line stored, in its own numbering."""
 
     @abc.abstractmethod
-    def last_binding(self, worker_id: str) -> str | None:
-        """The sha256 of the token ``worker_id`` last registered with, kept
-        after the worker is gone; None if it never registered with one."""
+    def last_binding(self, worker_id: str) -> tuple[str, float] | None:
+        """The sha256 of the token ``worker_id`` last registered with, and
+        since when (the first registration with it), kept after the worker
+        is gone; None if it never registered with one."""
 
     @abc.abstractmethod
-    def task_worker(self, job_id: str, attempt: int, node: int = 0) -> str | None:
-        """The worker that ran (or runs) ``node`` of the job's ``attempt``;
-        None if no worker did, or no such job."""
+    def task_worker(self, job_id: str, attempt: int, node: int = 0) -> tuple[str, float] | None:
+        """The worker that ran (or runs) ``node`` of the job's ``attempt``,
+        and when it was placed; None if no worker did, or no such job."""
 
     @abc.abstractmethod
     def last_log_seq(self, job_id: str, attempt: int) -> int:

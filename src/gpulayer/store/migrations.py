@@ -121,11 +121,12 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ALTER TABLE tokens ADD COLUMN expires REAL
         """,
     ),
-    # 8: a worker token adds log lines only to tasks its worker ran, late
-    # ones included (its worker cut off, declared lost, its job retried):
-    # which worker ran each node of an attempt that ended in a retry (the
-    # job's row names only its current attempt's), and the token each worker
-    # last registered with, kept after the worker is gone.
+    # 8: a worker token adds log lines only to tasks placed on its worker
+    # while it was registered with that token, late ones included (its
+    # worker cut off, declared lost, its job retried): which worker ran each
+    # node of an attempt that ended in a retry, and when it was placed (the
+    # job's row holds only its current attempt's); and the token each worker
+    # last registered with, since when, kept after the worker is gone.
     (
         """
         CREATE TABLE past_tasks (
@@ -133,18 +134,20 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             attempt INTEGER NOT NULL,
             node    INTEGER NOT NULL,
             worker  TEXT NOT NULL,
+            placed  REAL,
             PRIMARY KEY (job_id, attempt, node)
         ) WITHOUT ROWID
         """,
         """
         CREATE TABLE worker_tokens (
             worker_id    TEXT PRIMARY KEY,
-            token_digest TEXT NOT NULL
+            token_digest TEXT NOT NULL,
+            since        REAL NOT NULL
         ) WITHOUT ROWID
         """,
         """
-        INSERT INTO worker_tokens (worker_id, token_digest)
-        SELECT id, token_digest FROM workers WHERE token_digest IS NOT NULL
+        INSERT INTO worker_tokens (worker_id, token_digest, since)
+        SELECT id, token_digest, 0 FROM workers WHERE token_digest IS NOT NULL
         """,
     ),
 )

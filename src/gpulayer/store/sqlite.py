@@ -228,12 +228,12 @@ class _SqliteTransaction(Transaction):
         # has no lines to come.
         if attempt is None:
             self.db.execute(
-                "INSERT OR REPLACE INTO past_tasks (job_id, attempt, node, worker) "
-                "SELECT id, attempt, 0, worker FROM jobs "
+                "INSERT OR REPLACE INTO past_tasks (job_id, attempt, node, worker, placed) "
+                "SELECT id, attempt, 0, worker, json_extract(marks, '$.placed') FROM jobs "
                 "WHERE id=? AND tasks IS NULL AND worker IS NOT NULL "
                 "UNION ALL SELECT jobs.id, jobs.attempt, json_extract(t.value, '$.node'), "
-                "json_extract(t.value, '$.worker') FROM jobs, json_each(jobs.tasks) AS t "
-                "WHERE jobs.id=? AND jobs.tasks IS NOT NULL",
+                "json_extract(t.value, '$.worker'), json_extract(jobs.marks, '$.placed') "
+                "FROM jobs, json_each(jobs.tasks) AS t WHERE jobs.id=? AND jobs.tasks IS NOT NULL",
                 (job_id, job_id),
             )
         # Marks after 'submitted' describe the attempt that ended; start afresh.
@@ -279,15 +279,19 @@ class _SqliteTransaction(Transaction):
             self.db.execute("DELETE FROM workers WHERE instance=?", (from_owner,))
         return [r[0] for r in rows]
 
-    def upsert_worker(self, worker: WorkerInfo, *, token_digest: str | None = None) -> None:
+    def upsert_worker(
+        self, worker: WorkerInfo, *, token_digest: str | None = None, at: float = 0.0
+    ) -> None:
         self.db.execute(
             "INSERT OR REPLACE INTO workers (id, instance, info, token_digest) VALUES (?,?,?,?)",
             (worker.id, worker.instance, _encode(worker), token_digest),
         )
         if token_digest is not None:  # kept after the worker is gone (see last_binding)
             self.db.execute(
-                "INSERT OR REPLACE INTO worker_tokens (worker_id, token_digest) VALUES (?,?)",
-                (worker.id, token_digest),
+                "INSERT INTO worker_tokens (worker_id, token_digest, since) VALUES (?,?,?) "
+                "ON CONFLICT (worker_id) DO UPDATE SET token_digest=excluded.token_digest, "
+                "since=excluded.since WHERE token_digest != excluded.token_digest",
+                (worker.id, token_digest, at),
             )
 
     def delete_worker(self, worker_id: str) -> None:
@@ -481,30 +485,33 @@ class SqliteStore(Store):
             ).fetchall()
         return {int(node): int(last) for node, last in rows}
 
-    def last_binding(self, worker_id: str) -> str | None:
+    def last_binding(self, worker_id: str) -> tuple[str, float] | None:
         with self._guarded:
             row = self._db.execute(
-                "SELECT token_digest FROM worker_tokens WHERE worker_id=?", (worker_id,)
+                "SELECT token_digest, since FROM worker_tokens WHERE worker_id=?", (worker_id,)
             ).fetchone()
-        return None if row is None else str(row[0])
+        return None if row is None else (str(row[0]), float(row[1]))
 
-    def task_worker(self, job_id: str, attempt: int, node: int = 0) -> str | None:
+    def task_worker(self, job_id: str, attempt: int, node: int = 0) -> tuple[str, float] | None:
         with self._guarded:
             row = self._db.execute(
-                "SELECT attempt, worker, tasks FROM jobs WHERE id=?", (job_id,)
+                "SELECT attempt, worker, tasks, json_extract(marks, '$.placed') FROM jobs WHERE id=?",
+                (job_id,),
             ).fetchone()
             if row is None:
                 return None
-            current, worker, tasks = row
+            current, worker, tasks, placed = row
             if current == attempt and (worker is not None or tasks is not None):
-                if tasks is None:
-                    return str(worker) if node == 0 else None
-                return next((t.worker for t in _decode_tasks(tasks) if t.node == node), None)
+                if tasks is not None:
+                    worker = next((t.worker for t in _decode_tasks(tasks) if t.node == node), None)
+                elif node != 0:
+                    worker = None
+                return None if worker is None else (str(worker), float(placed or 0.0))
             past = self._db.execute(
-                "SELECT worker FROM past_tasks WHERE job_id=? AND attempt=? AND node=?",
+                "SELECT worker, placed FROM past_tasks WHERE job_id=? AND attempt=? AND node=?",
                 (job_id, attempt, node),
             ).fetchone()
-        return None if past is None else str(past[0])
+        return None if past is None else (str(past[0]), float(past[1] or 0.0))
 
     def last_log_seq(self, job_id: str, attempt: int) -> int:
         with self._guarded:

@@ -23,7 +23,13 @@ from collections import deque
 from collections.abc import Callable
 
 from .. import defaults
-from ..errors import GPUlayerError, ServerUnreachable
+from ..errors import (
+    AccessDenied,
+    InvalidStateError,
+    JobNotFoundError,
+    ServerUnreachable,
+    SpecError,
+)
 from ..jobs import LogLine
 
 log = logging.getLogger(__name__)
@@ -260,9 +266,10 @@ class LogSender:
 
 
 def _refused(exc: BaseException) -> bool:
-    """The server answered, and said no (not: could not be reached, or
-    could not do it now)."""
-    return isinstance(exc, GPUlayerError) and not isinstance(exc, ServerUnreachable)
+    """The server answered, and said no to these lines for good: not its
+    own failure (500), nor a proxy's "too many" (429) or "too slow" (408),
+    after which they go again with the next batch."""
+    return isinstance(exc, (AccessDenied, InvalidStateError, JobNotFoundError, SpecError))
 
 
 def in_batches(lines: list[LogLine], limit: int) -> list[list[LogLine]]:
