@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,28 @@ def test_a_store_of_an_older_schema_is_brought_up_to_date_with_its_jobs(tmp_path
     assert store.schema_version == LATEST
     job = store.get_job("j1")
     assert job is not None and (job.attempt, job.given_back) == (2, 0)
+    store.close()
+
+
+def test_an_upgrade_binds_live_workers_to_their_tokens_from_then_on(tmp_path: Path) -> None:
+    """Since the upgrade: which token a worker's earlier tasks ran under (it
+    may have been taken over since) is not known."""
+    path = tmp_path / "db.sqlite"
+    db = sqlite3.connect(path)
+    for statements in MIGRATIONS[:7]:
+        for statement in statements:
+            db.execute(statement)
+    db.execute("PRAGMA user_version = 7")
+    db.execute(
+        "INSERT INTO workers (id, instance, info, token_digest) VALUES ('w', 's', '{}', ?)",
+        ("d" * 64,),
+    )
+    db.commit()
+    db.close()
+    before = time.time()
+    store = SqliteStore(path)
+    binding = store.last_binding("w")
+    assert binding is not None and binding[0] == "d" * 64 and binding[1] >= int(before)
     store.close()
 
 

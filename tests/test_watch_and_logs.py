@@ -169,11 +169,19 @@ def test_failed_sends_are_retried_not_lost() -> None:
     assert delivered == ["a", "b"]
 
 
+def _answered(status: int, message: str) -> TransportError:
+    """As the HTTP transport raises it for ``status``."""
+    error = TransportError(message)
+    error.status = status
+    return error
+
+
 @pytest.mark.parametrize(
     "failure",
     [
-        TransportError("the server failed (500): a bug"),
-        TransportError("the server refused the request (429): too many requests"),
+        _answered(500, "the server failed (500): a bug"),
+        _answered(429, "the server refused the request (429): too many requests"),
+        _answered(408, "the server refused the request (408): request timeout"),
         ServerUnreachable("the server is unavailable (503): the disk is full"),
     ],
 )
@@ -195,14 +203,21 @@ def test_lines_a_failure_of_the_server_or_a_proxy_held_back_go_again(failure: Ex
     assert sent == [["a"], ["a", "b"]]
 
 
-def test_lines_the_server_refuses_are_dropped_not_sent_again() -> None:
-    """It answered no (this worker ran no such task, say): sending them again
-    would only be refused again. The end of a task's lines too."""
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        InvalidStateError("no worker ran attempt 1 of job job"),
+        _answered(413, "the server refused the request (413): request entity too large"),
+    ],
+)
+def test_lines_the_server_refuses_are_dropped_not_sent_again(refusal: Exception) -> None:
+    """It (or a proxy) answered no: sending them again would only be refused
+    again. The end of a task's lines too."""
     tries: list[str] = []
 
     def refuse(job_id: str, attempt: int, lines: list[LogLine]) -> None:
         tries.extend(line.text for line in lines)
-        raise InvalidStateError(f"no worker ran attempt {attempt} of job {job_id}")
+        raise refusal
 
     sender = LogSender(refuse, interval=60.0)  # only the sends below
     task, ended = sender.open("job", 1), sender.open("other", 1)
@@ -210,7 +225,7 @@ def test_lines_the_server_refuses_are_dropped_not_sent_again() -> None:
     task.flush()
     ended.add("stdout", "b")
     ended.closed = True
-    with pytest.raises(InvalidStateError):
+    with pytest.raises(type(refusal)):
         sender.deliver_rest(ended)  # for the outbox, which gives up on them
     assert not sender.unsent(task) and not sender.unsent(ended)
     sender.stop()  # would send what is left

@@ -69,7 +69,10 @@ class WorkerError(GPUlayerError):
 
 
 class TransportError(GPUlayerError):
-    """A request to a GPUlayer server failed."""
+    """A request to a GPUlayer server failed; ``status`` is the HTTP status
+    of the answer, where one came."""
+
+    status: int | None = None
 
 
 class ServerUnreachable(TransportError, ConnectionError):

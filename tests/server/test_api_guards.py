@@ -182,6 +182,76 @@ def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Pa
     restarted.store.close()
 
 
+def test_a_token_that_takes_a_gone_workers_id_over_cannot_write_into_its_ended_gang_node(
+    tmp_path: Path,
+) -> None:
+    """Its node ended with it, while the job's other node runs on."""
+    app, plane, _ = _app(tmp_path)
+    ta, tc, intruder = (auth.create_token(plane.store, "worker") for _ in range(3))
+    user = auth.create_token(plane.store, "user")
+
+    async def scenario() -> int:
+        ids = []
+        for token in (ta, tc):
+            _, _, w = await asgi_request(
+                app, "POST", "/api/v1/workers", body=_worker(), token=token
+            )
+            ids.append(w["id"])
+        spec = {"spec": {"command": ["sleep", "600"], "nodes": 2}}
+        _, _, job = await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user)
+        nodes = {t["worker"]: t["node"] for t in job["tasks"]}
+        await asgi_request(app, "DELETE", f"/api/v1/workers/{ids[0]}", token=ta)
+        assert plane.get(job["id"]).state == "running"  # its other node winds down
+        again = _worker(ids[0])
+        assert (await asgi_request(app, "POST", "/api/v1/workers", body=again, token=intruder))[
+            0
+        ] == 201
+        lines = [[99, 1.0, "stdout", "forged"]]
+        body = {"job_id": job["id"], "attempt": 1, "node": nodes[ids[0]], "lines": lines}
+        return (await asgi_request(app, "POST", "/api/v1/tasks/logs", body=body, token=intruder))[0]
+
+    assert asyncio.run(scenario()) == 403
+    plane.store.close()
+
+
+def test_a_task_run_while_the_server_had_no_auth_takes_no_worker_tokens_lines(
+    tmp_path: Path,
+) -> None:
+    """Not even those of the token its worker had before."""
+    app, plane, _ = _app(tmp_path, "s1")
+    token = auth.create_token(plane.store, "worker")
+
+    async def registered() -> str:
+        _, _, w = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=token)
+        await asgi_request(app, "DELETE", f"/api/v1/workers/{w['id']}", token=token)
+        return str(w["id"])
+
+    wid = asyncio.run(registered())
+    plane.store.close()
+    plane = ControlPlane(SqliteStore(tmp_path / "db.sqlite"), instance_id="s2")
+    plane.recover("s1", workers_outlive=True)
+    app = create_app(plane, ArtifactStore(tmp_path / "blobs"), auth_enabled=False)
+
+    async def without_auth() -> str:
+        await asgi_request(app, "POST", "/api/v1/workers", body=_worker(wid))
+        _, _, job = await asgi_request(
+            app, "POST", "/api/v1/jobs", body={"spec": {"command": ["x"]}}
+        )
+        result = {"job_id": job["id"], "attempt": 1, "worker_id": wid, "outcome": "exited"}
+        await asgi_request(app, "POST", "/api/v1/tasks/finished", body={**result, "exit_code": 0})
+        return str(job["id"])
+
+    jid = asyncio.run(without_auth())
+    plane.store.close()
+    plane = ControlPlane(SqliteStore(tmp_path / "db.sqlite"), instance_id="s3")
+    plane.recover("s2", workers_outlive=True)
+    app = create_app(plane, ArtifactStore(tmp_path / "blobs"))
+    body = {"job_id": jid, "attempt": 1, "lines": [[1, 1.0, "stdout", "forged"]]}
+    request = asgi_request(app, "POST", "/api/v1/tasks/logs", body=body, token=token)
+    assert asyncio.run(request)[0] == 403
+    plane.store.close()
+
+
 def test_a_task_taken_before_a_restart_counts_when_a_new_worker_process_adopts_its_worker(
     tmp_path: Path,
 ) -> None:

@@ -488,11 +488,14 @@ class Fleet(PlaneCore):
 
     def running_on(self, job_id: str, attempt: int, node: int = 0) -> str | None:
         """The worker that runs ``node`` of the job's ``attempt`` now; None if
-        it is not running (ended, or never ran: the store knows which)."""
+        it is not running (ended, though the job's other nodes may run on, or
+        never ran: the store knows which)."""
         with self._lock:
             run = self._running.get(job_id)
             if run is not None and run.attempt == attempt:
-                return next((t.worker_id for t in run.tasks if t.node == node), None)
+                return next(
+                    (t.worker_id for t in run.tasks if t.node == node and not t.ended), None
+                )
         return None
 
     def append_logs(self, job_id: str, attempt: int, lines: list[LogLine], node: int = 0) -> None:

@@ -147,7 +147,8 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         """,
         """
         INSERT INTO worker_tokens (worker_id, token_digest, since)
-        SELECT id, token_digest, 0 FROM workers WHERE token_digest IS NOT NULL
+        SELECT id, token_digest, CAST(strftime('%s', 'now') AS REAL) FROM workers
+        WHERE token_digest IS NOT NULL
         """,
     ),
 )

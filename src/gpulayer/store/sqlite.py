@@ -293,6 +293,8 @@ class _SqliteTransaction(Transaction):
                 "since=excluded.since WHERE token_digest != excluded.token_digest",
                 (worker.id, token_digest, at),
             )
+        else:  # without auth: what it runs now is no token's
+            self.db.execute("DELETE FROM worker_tokens WHERE worker_id=?", (worker.id,))
 
     def delete_worker(self, worker_id: str) -> None:
         self.db.execute("DELETE FROM workers WHERE id=?", (worker_id,))

@@ -276,9 +276,13 @@ class HttpTransport(Transport):
             # It could not do it now (503), or a proxy in front of it could
             # not reach it (502, 504): send it again later.
             return ServerUnreachable(f"the server is unavailable ({status}): {message}")
-        if status >= 500:
-            return TransportError(f"the server failed ({status}): {message}")
-        return TransportError(f"the server refused the request ({status}): {message}")
+        failed = TransportError(
+            f"the server failed ({status}): {message}"
+            if status >= 500
+            else f"the server refused the request ({status}): {message}"
+        )
+        failed.status = status
+        return failed
 
     def _call(self, method: str, path: str, kind: type[T], **kwargs: Any) -> T:
         with self._exchange(method, path, **kwargs) as response:

@@ -29,6 +29,7 @@ from ..errors import (
     JobNotFoundError,
     ServerUnreachable,
     SpecError,
+    TransportError,
 )
 from ..jobs import LogLine
 
@@ -266,10 +267,14 @@ class LogSender:
 
 
 def _refused(exc: BaseException) -> bool:
-    """The server answered, and said no to these lines for good: not its
-    own failure (500), nor a proxy's "too many" (429) or "too slow" (408),
-    after which they go again with the next batch."""
-    return isinstance(exc, (AccessDenied, InvalidStateError, JobNotFoundError, SpecError))
+    """The server (or a proxy before it) answered, and said no to these
+    lines for good: a 4xx, but for "too slow" (408) and "too many" (429).
+    After those, and a server's own failure (5xx), they go again with the
+    next batch."""
+    if isinstance(exc, (AccessDenied, InvalidStateError, JobNotFoundError, SpecError)):
+        return True
+    status = getattr(exc, "status", None) if isinstance(exc, TransportError) else None
+    return status is not None and 400 <= status < 500 and status not in (408, 429)
 
 
 def in_batches(lines: list[LogLine], limit: int) -> list[list[LogLine]]:
