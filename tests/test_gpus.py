@@ -456,24 +456,35 @@ def test_what_another_user_plants_in_the_claims_directory_harms_no_file(
     assert oct(private.stat().st_mode & 0o7777) == "0o700"
 
 
-def test_a_look_at_the_claims_never_makes_a_claim_fail(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A look locks each file shared for an instant; a claim meeting one
-    tries again, and gets it once the look is over."""
+def test_a_look_at_the_claims_makes_nothing_and_never_makes_a_claim_fail(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A look locks each file shared for an instant; a claim that meets only
+    such locks tries again, however long the look is held up, and gets it."""
     from gpulayer.worker import gpulocks
 
-    gpus = _fake(1)
+    gpus = _fake(2)
+    locks = Path(os.environ["GPULAYER_GPU_LOCKS"])
+    assert unclaimed(gpus) == gpus and not locks.exists()  # no directory, no file made
+    claim_gpus(gpus[:1]).release()
+    assert unclaimed(gpus) == gpus and [p.name for p in locks.iterdir()] == ["nvidia-0.lock"]
     directory = gpulocks._Directory()
     look = directory.open(gpus[0])
-    fcntl.flock(look, fcntl.LOCK_SH)  # a look under way, from another process say
+    assert look is not None
+    fcntl.flock(look, fcntl.LOCK_SH)  # a look held up, in another process say
     waits: list[float] = []
 
-    def look_ends(seconds: float) -> None:
+    def look_held_up(seconds: float) -> None:
         waits.append(seconds)
-        fcntl.flock(look, fcntl.LOCK_UN)
+        if len(waits) == 20:  # 40 ms: it ends at last
+            fcntl.flock(look, fcntl.LOCK_UN)
 
-    monkeypatch.setattr(gpulocks.time, "sleep", look_ends)
+    monkeypatch.setattr(gpulocks.time, "sleep", look_held_up)
     claim = claim_gpus(gpus)
-    assert claim.gpus == gpus and len(waits) == 1
+    assert claim.gpus == gpus and len(waits) == 20
+    with pytest.raises(WorkerError, match=f"offers nvidia GPU 0 \\(pid {os.getpid()}\\)"):
+        claim_gpus(gpus[:1])  # a claim, unlike a look, is not waited for
+    assert len(waits) == 20
     claim.release()
     os.close(look)
     directory.close()
@@ -494,15 +505,20 @@ def test_the_claims_directory_must_be_roots_or_the_workers_own(
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root makes a directory another user owns")
-def test_a_claims_directory_another_user_owns_is_refused(
+def test_another_users_claims_directory_serves_only_if_sticky(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Sticky, as the default one another user's worker made: no user
+    deletes another's files there. Else its owner could."""
     gpus = _fake(1)
     theirs = tmp_path / "theirs"
-    theirs.mkdir(mode=0o1777)
-    os.chown(theirs, 65534, 65534)  # nobody's: its owner may delete any file in it
+    theirs.mkdir()
+    theirs.chmod(0o1777)
+    os.chown(theirs, 65534, 65534)  # nobody's
     monkeypatch.setenv("GPULAYER_GPU_LOCKS", str(theirs))
-    with pytest.raises(WorkerError, match=r"it belongs to another user \(65534\)"):
+    claim_gpus(gpus).release()
+    theirs.chmod(0o755)
+    with pytest.raises(WorkerError, match=r"belongs to another user \(65534\) and is not sticky"):
         unclaimed(gpus)
 
 

@@ -8,16 +8,19 @@ in one directory: ``GPULAYER_GPU_LOCKS``, else ``gpulayer-gpu-locks`` in the
 system's temporary directory. The kernel drops a claim when its holder
 exits, however it ends, so a killed worker never leaves a GPU claimed.
 
-A look (:func:`unclaimed`) takes a shared lock for an instant; a claim that
-meets one tries again a few times, so a look never makes a claim fail.
-Who holds a claim is read from ``/proc/locks``, for messages only: that
-table may not show a holder (one in another PID namespace).
+A look (:func:`unclaimed`) makes nothing, and takes a shared lock on each
+existing file for an instant; a claim that meets only shared locks tries
+again for up to a second, so a look never makes a claim fail. Who holds a
+claim is read from ``/proc/locks``, for messages only: that table may not
+show a holder (one in another PID namespace).
 
-Other users may write to the directory, so nothing here follows a symbolic
-link, opens anything but a regular file, writes to a file, or changes the
-mode of a file it did not just make: a name planted there can make a claim
-fail, never harm a file. Only the worker holds its claims: the descriptors
-are closed on exec and in a child forked without exec.
+Claims coordinate GPUlayer workers; they are no barrier against another
+user, who may delete a lock file in a shared directory. What they must
+never do is harm a file: other users may write to the directory, so
+nothing here follows a symbolic link, opens anything but a regular file,
+writes to a file, or changes the mode of a file it did not just make. Only
+the worker holds its claims: the descriptors are closed on exec and in a
+child forked without exec.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ from .gpus import Gpu
 ENV = "GPULAYER_GPU_LOCKS"
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO cannot block
 _HELD: set[int] = set()  # every claim's descriptor in this process
-# A claim that finds its GPU locked tries again this often, this far apart:
-# a look holds its lock for microseconds.
-_TRIES, _TRY_GAP_S = 5, 0.002
+# A claim that finds its GPU's file locked shared (by looks, which let go
+# within microseconds, unless descheduled) tries again, this far apart, for
+# this long; a claim that finds it locked exclusive has lost it to a worker.
+_TRY_GAP_S, _TRY_FOR_S = 0.002, 1.0
 
 
 def _forget_in_child() -> None:
@@ -81,29 +85,30 @@ def _refuse(directory: Path, why: str) -> WorkerError:
 
 
 class _Directory:
-    """The claims' directory, opened without following a link. Only one
-    that root or this user owns, and, if others may write to it, sticky:
-    no one else can then delete or swap a lock file."""
+    """The claims' directory, opened without following a link: one that root
+    or this user owns, or a sticky one (as ``/tmp``), where no user deletes
+    another's files. Made if missing, unless only to look."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, make: bool = True) -> None:
         self.path = path = lock_dir()
         try:
-            try:
-                os.mkdir(path, 0o700)
-                made = True
-            except FileExistsError:
-                made = False
+            made = False
+            if make:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(path, 0o700)
+                    made = True
             self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             reason = {errno.ELOOP: "it is a symbolic link", errno.ENOTDIR: "it is not a directory"}
             raise _refuse(path, reason.get(exc.errno or 0, exc.strerror or str(exc))) from None
         try:
             st = os.fstat(self.fd)
+            sticky = bool(st.st_mode & stat.S_ISVTX)
             if made and st.st_uid == os.getuid():
                 os.fchmod(self.fd, 0o1777)  # every user's workers claim GPUs here, as in /tmp
-            elif st.st_uid not in (0, os.getuid()):
-                raise _refuse(path, f"it belongs to another user ({st.st_uid})")
-            elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+            elif st.st_uid not in (0, os.getuid()) and not sticky:
+                raise _refuse(path, f"it belongs to another user ({st.st_uid}) and is not sticky")
+            elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky:
                 raise _refuse(path, "others may write to it and it is not sticky")
         except BaseException:
             self.close()
@@ -112,16 +117,22 @@ class _Directory:
     def close(self) -> None:
         os.close(self.fd)
 
-    def open(self, gpu: Gpu) -> int:
+    def open(self, gpu: Gpu, *, make: bool = True) -> int | None:
         """A descriptor of ``gpu``'s lock file (read-only: a lock needs no
-        more), made if missing."""
+        more), made if missing; None if missing and not ``make``."""
         name = _name(gpu)
         try:
             try:
+                if not make:
+                    raise FileExistsError
                 fd = os.open(name, _OPEN | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=self.fd)
                 made = True
             except FileExistsError:
                 fd, made = os.open(name, _OPEN, dir_fd=self.fd), False
+        except FileNotFoundError:
+            if make:
+                raise _refuse(self.path, f"{name} vanished as it was made") from None
+            return None
         except OSError as exc:
             reason = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
             raise _refuse(self.path, f"{name}: {reason or exc}") from None
@@ -154,9 +165,10 @@ class _Directory:
             open("/proc/locks", encoding="ascii", errors="replace") as locks,
         ):
             for line in locks:
-                # "1: FLOCK  ADVISORY  WRITE 12464 fe:00:2679792 0 EOF"
+                # "1: FLOCK  ADVISORY  WRITE 12464 fe:00:2679792 0 EOF" (a
+                # claim; a look's lock is READ)
                 parts = line.split()
-                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[-3] == wanted:
+                if len(parts) >= 6 and parts[1:4:2] == ["FLOCK", "WRITE"] and parts[-3] == wanted:
                     return f"pid {parts[-4]}"
         return "another process"
 
@@ -180,23 +192,25 @@ class GpuClaim:
 
     def _take(self, gpu: Gpu, directory: _Directory) -> str | None:
         """Claim ``gpu``; None once claimed, else who holds it."""
-        for attempt in range(_TRIES):
+        give_up = time.monotonic() + _TRY_FOR_S
+        while True:
             fd = directory.open(gpu)
-            if not _locked(fd, fcntl.LOCK_EX):
-                if attempt + 1 < _TRIES:
-                    os.close(fd)
-                    time.sleep(_TRY_GAP_S)  # a look, maybe, that lets go at once
-                    continue
-                holder = directory.holder(fd)
+            assert fd is not None
+            if _locked(fd, fcntl.LOCK_EX):
+                if directory.same_file(gpu, fd):
+                    self._fds.append(fd)
+                    _HELD.add(fd)
+                    self.gpus.append(gpu)
+                    return None
+                # Deleted or replaced since it was opened: once more.
+            elif not _locked(fd, fcntl.LOCK_SH) or time.monotonic() > give_up:
+                holder = directory.holder(fd)  # a worker holds it (or looks never stop)
                 os.close(fd)
                 return holder
-            if directory.same_file(gpu, fd):
-                self._fds.append(fd)
-                _HELD.add(fd)
-                self.gpus.append(gpu)
-                return None
-            os.close(fd)  # deleted or replaced since it was opened: once more
-        raise _refuse(directory.path, f"{_name(gpu)} keeps being replaced")
+            os.close(fd)  # lets go of a shared lock taken just now
+            if time.monotonic() > give_up:
+                raise _refuse(directory.path, f"{_name(gpu)} keeps being replaced")
+            time.sleep(_TRY_GAP_S)
 
     def release(self) -> None:
         fds, self._fds, self.gpus = self._fds, [], []
@@ -245,16 +259,25 @@ def claim_gpus(gpus: Sequence[Gpu], *, all_of_them: bool = True) -> GpuClaim:
 
 
 def unclaimed(gpus: Sequence[Gpu]) -> list[Gpu]:
-    """Those of ``gpus`` that no worker claims now: each one's file is locked
-    shared for an instant (a claim that meets it tries again). A GPU may be
-    claimed right after: :func:`claim_gpus` is the check that counts."""
+    """Those of ``gpus`` that no worker claims now. It makes nothing (a GPU
+    without a file is unclaimed), and locks each file shared for an instant
+    (a claim that meets that tries again). A GPU may be claimed right after:
+    :func:`claim_gpus` is the check that counts."""
     if not gpus:
         return []
-    directory = _Directory()
+    try:
+        directory = _Directory(make=False)
+    except WorkerError:
+        if not os.path.lexists(lock_dir()):
+            return list(gpus)  # no worker ever claimed one here
+        raise
     free = []
     try:
         for gpu in gpus:
-            fd = directory.open(gpu)
+            fd = directory.open(gpu, make=False)
+            if fd is None:
+                free.append(gpu)
+                continue
             try:
                 if _locked(fd, fcntl.LOCK_SH):
                     free.append(gpu)
