@@ -573,8 +573,14 @@ def worker_start(
         ledger=True,
         on_give_up=stop.set,
     )
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if not node.serving:  # nothing taken yet, so nothing to end gently: go now
+            raise SystemExit(128 + signum)
+        stop.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, on_signal)
     node.start()
     click.echo(
         f"gpulayer: worker {node.id} ({len(node.info.slot_gpus)} slots) serving {url}", err=True

@@ -114,10 +114,11 @@ class Client:
             self._embedded = None
         self._closing.set()
         for worker in list(self._local_workers):
-            if worker.id is None and worker.proc.poll() is None:
-                # A start under way waits for it (an unresponsive server, say),
-                # holding the lock: not registered, it has nothing to end gently.
-                worker.proc.kill()
+            # Before the lock, which a start under way holds while it waits
+            # for them (an unresponsive server, say): one not serving yet
+            # exits at once, one serving ends its tasks first.
+            if worker.proc.poll() is None:
+                worker.proc.terminate()
         with self._local_lock:
             self._closed = True
             procs = [w.proc for w in self._local_workers]
@@ -209,7 +210,7 @@ class Client:
                     self._local_workers.append(started[-1])  # at once: close() stops it
                 if self._closing.is_set():  # close() began meanwhile: these too
                     for worker in started:
-                        worker.proc.kill()
+                        worker.proc.terminate()
                 failed = []
                 for worker in started:  # each, so that every one that runs has its stderr read
                     try:
@@ -217,10 +218,10 @@ class Client:
                         self._forwarders.append(forwarder)
                     except WorkerError as exc:
                         failed.append(exc)
+                if self._closing.is_set():
+                    raise GPUlayerError("this client is closed")
                 if failed:
                     self._forget_ended_workers()  # their GPUs may be offered again
-                    if self._closing.is_set():
-                        raise GPUlayerError("this client is closed") from failed[0]
                     raise failed[0]
             ids = {w.id for w in self._local_workers}
         return [w for w in self._transport.list_workers() if w.id in ids]

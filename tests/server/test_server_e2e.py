@@ -518,6 +518,49 @@ def test_close_ends_a_local_worker_start_that_an_unresponsive_server_holds() -> 
         assert [p for p in psutil.Process().children() if "worker" in p.cmdline()] == []
 
 
+def test_close_stops_a_serving_local_worker_gently_while_its_start_still_reads(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start reads its workers' "serving" lines one after another, so a
+    worker may serve (and run a job) before the client knows it registered:
+    close() ends its job, not just the worker, whose job would run on."""
+    import gpulayer.client as client_module
+
+    reading = threading.Event()
+    real = client_module._await_registration
+
+    def held_up(proc: subprocess.Popen[str]) -> tuple[str, threading.Thread]:
+        reading.wait(60)  # as if reading another worker's line first
+        return real(proc)
+
+    monkeypatch.setattr(client_module, "_await_registration", held_up)
+    client = server.client()
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            client.ensure_local_workers(1)
+        except gpulayer.GPUlayerError as exc:
+            failed.append(exc)
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    with server.client() as other:
+        code = "import os, time; print('on', os.getpid(), flush=True); time.sleep(600)"
+        job = other.submit(command=[PY, "-c", code])
+        on, pid = next(line.text for line in job.stream_logs()).split()  # it runs there
+        assert on == "on"
+        closing = threading.Thread(target=client.close)
+        closing.start()
+        assert job.wait(timeout=60) == "lost", job.info.reason
+        reading.set()
+        closing.join(60)
+        starting.join(60)
+    assert not closing.is_alive() and not starting.is_alive()
+    assert [str(exc) for exc in failed] == ["this client is closed"]
+    assert pids_alive(int(pid)) == []
+
+
 def test_local_workers_of_two_clients_and_a_failed_start(
     server: ServerProc, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -143,6 +143,11 @@ class Worker:
     def id(self) -> str:
         return self.info.id
 
+    @property
+    def serving(self) -> bool:
+        """Whether it takes tasks (its acquire loop has started)."""
+        return self._thread is not None
+
     def start(self) -> None:
         try:
             self._start()
