@@ -490,6 +490,25 @@ def test_a_look_at_the_claims_makes_nothing_and_never_makes_a_claim_fail(
     directory.close()
 
 
+def test_a_claim_that_looks_outlast_names_no_false_cause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its second past the deadline, between two readings of the clock."""
+    from gpulayer.worker import gpulocks
+
+    gpus = _fake(1)
+    claim_gpus(gpus).release()  # its file is there
+    directory = gpulocks._Directory()
+    look = directory.open(gpus[0])
+    assert look is not None
+    fcntl.flock(look, fcntl.LOCK_SH)  # a look that never ends
+    clock = iter(float(t) * 0.6 for t in range(1000))
+    monkeypatch.setattr(gpulocks.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(gpulocks.time, "sleep", lambda seconds: None)
+    with pytest.raises(WorkerError, match=r"offers nvidia GPU 0 \(another process\)"):
+        claim_gpus(gpus)
+    os.close(look)
+    directory.close()
+
+
 def test_the_claims_directory_must_be_roots_or_the_workers_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

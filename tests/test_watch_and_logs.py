@@ -243,6 +243,27 @@ def test_spawned_processes_get_a_session_of_their_own(tmp_path: Path) -> None:
     assert isinstance(proc, subprocess.Popen)
 
 
+def test_a_tasks_output_goes_in_requests_a_proxy_takes_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """nginx refuses bodies over 1 MiB unless told otherwise, and may do so
+    by closing the connection: the worker would only ever send them again."""
+    from gpulayer.transport.http import HttpTransport, _encode
+
+    bodies: list[int] = []
+    monkeypatch.setattr(
+        HttpTransport, "_post", lambda self, path, payload: bodies.append(len(_encode(payload)))
+    )
+    transport = HttpTransport("http://127.0.0.1:9")
+    sender = LogSender(transport.append_logs, interval=60.0)  # only the send below
+    task = sender.open("job", 1)
+    for i in range(4000):  # 2.4 MiB, with characters JSON escapes
+        task.add("stdout", f'{i:04d} "quoted" \\ ' + "é" * 300)
+    sender.close_task(task)
+    sender.stop()
+    assert len(bodies) > 3 and max(bodies) < 2**20, bodies
+
+
 def test_a_large_batch_goes_in_requests_the_server_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     from gpulayer import defaults
 

@@ -459,3 +459,24 @@ def test_a_task_whose_last_log_lines_are_refused_still_reports_its_end(home: Pat
         assert embedded.plane.wait(job.id, timeout=20).state == "succeeded"
         with worker._tasks_lock:
             assert worker._idle.wait_for(lambda: not worker._tasks, timeout=30)
+
+
+def test_a_worker_stopped_between_registering_and_serving_says_goodbye(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal there (the CLI exits at once until it serves): the job placed
+    on it as it registered goes elsewhere now, not after the heartbeat
+    timeout, and that placement does not count as an attempt."""
+    from gpulayer.worker import worker as worker_module
+
+    def signalled(path: Path) -> Path:
+        raise KeyboardInterrupt
+
+    with _one_slot_worker(home, _HeldPoll) as (embedded, transport, worker):
+        job = transport.submit(parse_spec({"command": [PY, "-c", "pass"]}))
+        monkeypatch.setattr(worker_module, "make_spare", signalled)
+        with pytest.raises(KeyboardInterrupt):
+            worker.start()
+        assert embedded.plane.list_workers() == []
+        info = embedded.plane.get(job.id)
+        assert (info.state, info.attempt) == ("queued", 0), info.reason

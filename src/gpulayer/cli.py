@@ -575,7 +575,7 @@ def worker_start(
     )
 
     def on_signal(signum: int, _frame: object) -> None:
-        if not node.serving:  # nothing taken yet, so nothing to end gently: go now
+        if not node.serving:  # nothing taken yet: go now (start says goodbye)
             raise SystemExit(128 + signum)
         stop.set()
 

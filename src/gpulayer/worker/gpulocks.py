@@ -86,8 +86,8 @@ def _refuse(directory: Path, why: str) -> WorkerError:
 
 class _Directory:
     """The claims' directory, opened without following a link: one that root
-    or this user owns, or a sticky one (as ``/tmp``), where no user deletes
-    another's files. Made if missing, unless only to look."""
+    or this user owns, or a sticky one (as ``/tmp``: no user but its owner
+    deletes another's files there). Made if missing, unless only to look."""
 
     def __init__(self, *, make: bool = True) -> None:
         self.path = path = lock_dir()
@@ -196,20 +196,22 @@ class GpuClaim:
         while True:
             fd = directory.open(gpu)
             assert fd is not None
+            late = time.monotonic() > give_up
             if _locked(fd, fcntl.LOCK_EX):
                 if directory.same_file(gpu, fd):
                     self._fds.append(fd)
                     _HELD.add(fd)
                     self.gpus.append(gpu)
                     return None
-                # Deleted or replaced since it was opened: once more.
-            elif not _locked(fd, fcntl.LOCK_SH) or time.monotonic() > give_up:
+                os.close(fd)  # deleted or replaced since it was opened: once more
+                if late:
+                    raise _refuse(directory.path, f"{_name(gpu)} keeps being replaced")
+                continue
+            if late or not _locked(fd, fcntl.LOCK_SH):
                 holder = directory.holder(fd)  # a worker holds it (or looks never stop)
                 os.close(fd)
                 return holder
-            os.close(fd)  # lets go of a shared lock taken just now
-            if time.monotonic() > give_up:
-                raise _refuse(directory.path, f"{_name(gpu)} keeps being replaced")
+            os.close(fd)  # only looks hold it; this lets go of the shared lock just taken
             time.sleep(_TRY_GAP_S)
 
     def release(self) -> None:

@@ -133,6 +133,7 @@ class Worker:
         self._registering = threading.RLock()
         # Cancels and master ports that came before their task (see _handle).
         self._early: dict[tuple[str, int], list[Instruction]] = {}
+        self._registered = False  # by start(), which may yet fail after it
         # Machine-wide: no other worker, however started, offers these GPUs
         # while this one does (see gpulocks.py). Last: nothing after can fail.
         if gpu_claim is not None and gpu_claim.gpus != self.gpus:
@@ -152,7 +153,14 @@ class Worker:
         try:
             self._start()
         except BaseException:
-            self._claim.release()  # not serving: its GPUs are free for another worker
+            # Not serving (stopped by a signal, say): registered already, it
+            # says goodbye, so that a task placed on it goes elsewhere now
+            # rather than after the heartbeat timeout; unless it keeps
+            # results, whose tasks the server would then take for lost.
+            if self._registered and not (self._ledger and self._ledger.holds_results()):
+                with contextlib.suppress(GPUlayerError):
+                    self.transport.unregister_worker(self.info.id)
+            self._claim.release()  # its GPUs are free for another worker
             raise
 
     def _start(self) -> None:
@@ -168,6 +176,7 @@ class Worker:
                 self._ledger.set_worker_id(previous)
             self._deliver_kept(self._ledger)
         self.info = self.transport.register_worker(self.info, adopted=adopted)
+        self._registered = True
         if self._ledger is not None:
             self._ledger.set_worker_id(self.info.id)
             if self._ledger.holds_results():  # refused with a token the server now took
