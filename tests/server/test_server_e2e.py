@@ -489,6 +489,24 @@ def test_a_local_worker_that_ended_is_replaced_under_a_new_name(server: ServerPr
         client.ensure_local_workers(1)
 
 
+def _ensure_one_local_worker_meanwhile(
+    client: gpulayer.Client,
+) -> tuple[threading.Thread, list[BaseException]]:
+    """``ensure_local_workers(1)`` on a thread of its own (started), and the
+    GPUlayer errors it raises."""
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            client.ensure_local_workers(1)
+        except gpulayer.GPUlayerError as exc:
+            failed.append(exc)
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    return starting, failed
+
+
 def test_close_ends_a_local_worker_start_that_an_unresponsive_server_holds() -> None:
     """The start waits for its worker to register, holding the client's lock;
     close() ends that worker first, rather than wait for it to give up."""
@@ -496,16 +514,7 @@ def test_close_ends_a_local_worker_start_that_an_unresponsive_server_holds() -> 
         mute.bind(("127.0.0.1", 0))
         mute.listen(8)  # takes connections, never answers
         client = gpulayer.Client(f"http://127.0.0.1:{mute.getsockname()[1]}", token="t")
-        failed: list[BaseException] = []
-
-        def start() -> None:
-            try:
-                client.ensure_local_workers(1)
-            except gpulayer.GPUlayerError as exc:
-                failed.append(exc)
-
-        starting = threading.Thread(target=start)
-        starting.start()
+        starting, failed = _ensure_one_local_worker_meanwhile(client)
         mute.settimeout(60)
         registering, _ = mute.accept()  # the worker's registration, never answered
         closing = threading.Thread(target=client.close)
@@ -535,16 +544,7 @@ def test_close_stops_a_serving_local_worker_gently_while_its_start_still_reads(
 
     monkeypatch.setattr(client_module, "_await_registration", held_up)
     client = server.client()
-    failed: list[BaseException] = []
-
-    def start() -> None:
-        try:
-            client.ensure_local_workers(1)
-        except gpulayer.GPUlayerError as exc:
-            failed.append(exc)
-
-    starting = threading.Thread(target=start)
-    starting.start()
+    starting, failed = _ensure_one_local_worker_meanwhile(client)
     with server.client() as other:
         code = "import os, time; print('on', os.getpid(), flush=True); time.sleep(600)"
         job = other.submit(command=[PY, "-c", code])
