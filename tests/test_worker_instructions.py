@@ -480,3 +480,63 @@ def test_a_worker_stopped_between_registering_and_serving_says_goodbye(
         assert embedded.plane.list_workers() == []
         info = embedded.plane.get(job.id)
         assert (info.state, info.attempt) == ("queued", 0), info.reason
+
+
+def test_a_worker_whose_start_fails_once_serving_stops_its_loop_and_says_goodbye(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its heartbeat thread cannot start, say, after its acquire loop has."""
+
+    class NoHeartbeat(threading.Thread):
+        def start(self) -> None:
+            if self.name.startswith("gpulayer-heartbeat"):
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", NoHeartbeat)
+    embedded = Embedded(home)
+    transport = InProcessTransport(embedded.plane, embedded.artifacts)
+    worker = Worker(
+        transport, cache=embedded.artifacts, work_dir=home / "w", slots=1, heartbeat_interval=60
+    )
+    try:
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            worker.start()
+        assert worker._thread is not None and not worker._thread.is_alive()
+        assert embedded.plane.list_workers() == []
+    finally:
+        embedded.close()
+
+
+def test_a_failed_starts_goodbye_waits_only_a_few_seconds(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server stopped answering: the worker, asked to go, goes."""
+    from gpulayer.worker import worker as worker_module
+
+    answered, gone = threading.Event(), threading.Event()
+
+    class Unanswered(InProcessTransport):
+        def unregister_worker(self, worker_id: str) -> None:
+            answered.wait(5)
+            gone.set()
+
+    def signalled(path: Path) -> Path:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(worker_module, "_GOODBYE_WAIT_S", 0.2)
+    monkeypatch.setattr(worker_module, "make_spare", signalled)
+    embedded = Embedded(home)
+    worker = Worker(
+        Unanswered(embedded.plane, embedded.artifacts),
+        cache=embedded.artifacts,
+        work_dir=home / "w",
+        slots=1,
+    )
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.start()  # after 0.2 s, not once the goodbye is answered
+        assert not gone.is_set()
+    finally:
+        answered.set()
+        embedded.close()

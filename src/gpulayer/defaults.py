@@ -34,11 +34,11 @@ LOG_BACKPRESSURE_MAX_S = 5.0
 # A single line longer than this is cut (a job printing a 1 GB line must not
 # take 1 GB of the worker's memory).
 LOG_LINE_MAX_BYTES = 64 * 1024
-# A worker sends a task's waiting lines in requests of at most this many
-# characters of text: under the body limit of a proxy in front of the server
-# (nginx takes 1 MiB unless told otherwise, and may refuse a bigger body by
-# closing at once), even at 4 bytes a character.
-LOG_BATCH_MAX_BYTES = 256 * 1024
+# A worker sends a task's waiting lines in requests whose JSON takes at most
+# this much: under the body limit of a proxy in front of the server (nginx
+# takes 1 MiB unless told otherwise, and may refuse a bigger body by closing
+# at once).
+LOG_BATCH_MAX_BYTES = 960 * 1024
 # The largest JSON request body the server reads (blobs are streamed, and
 # have no such limit); what can be longer is sent in parts.
 JSON_BODY_MAX_BYTES = 64 * 1024 * 1024
@@ -46,6 +46,8 @@ JSON_BODY_MAX_BYTES = 64 * 1024 * 1024
 MISSING_BLOBS_PER_REQUEST = 50_000
 # How many trailing stderr lines a failed job's error message carries.
 STDERR_TAIL_LINES = 20
+# ...each cut at this many characters.
+STDERR_TAIL_LINE_MAX = 1000
 
 # Cancel and timeout: SIGTERM, then this long to exit cleanly, then SIGKILL.
 KILL_GRACE_S = 10.0

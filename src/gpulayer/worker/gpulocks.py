@@ -155,9 +155,10 @@ class _Directory:
         held = os.fstat(fd)
         return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
-    def holder(self, fd: int) -> str:
-        """Who holds the lock on ``fd``'s file, for a message: ``pid N``, or
-        ``another process`` where ``/proc/locks`` does not say."""
+    def holder(self, fd: int, kind: str = "WRITE") -> str:
+        """Who holds the lock on ``fd``'s file (a claim, WRITE; a look, READ),
+        for a message: ``pid N``, or ``another process`` where
+        ``/proc/locks`` does not say."""
         st = os.fstat(fd)
         wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
         with (
@@ -168,7 +169,7 @@ class _Directory:
                 # "1: FLOCK  ADVISORY  WRITE 12464 fe:00:2679792 0 EOF" (a
                 # claim; a look's lock is READ)
                 parts = line.split()
-                if len(parts) >= 6 and parts[1:4:2] == ["FLOCK", "WRITE"] and parts[-3] == wanted:
+                if len(parts) >= 6 and parts[1:4:2] == ["FLOCK", kind] and parts[-3] == wanted:
                     return f"pid {parts[-4]}"
         return "another process"
 
@@ -206,12 +207,20 @@ class GpuClaim:
                 os.close(fd)  # deleted or replaced since it was opened: once more
                 if late:
                     raise _refuse(directory.path, f"{_name(gpu)} keeps being replaced")
-                continue
-            if late or not _locked(fd, fcntl.LOCK_SH):
-                holder = directory.holder(fd)  # a worker holds it (or looks never stop)
+            elif not _locked(fd, fcntl.LOCK_SH):
+                holder = directory.holder(fd)  # a worker's claim
                 os.close(fd)
                 return holder
-            os.close(fd)  # only looks hold it; this lets go of the shared lock just taken
+            elif late:  # looks held it all along: one stopped half-way, say
+                fcntl.flock(fd, fcntl.LOCK_UN)  # not this one's own shared lock
+                looker = directory.holder(fd, "READ")
+                os.close(fd)
+                raise WorkerError(
+                    f"{describe(gpu)} could not be claimed: processes looking at the claims "
+                    f"({looker}) held its lock file for over {_TRY_FOR_S:g} s; try again"
+                )
+            else:
+                os.close(fd)  # only looks hold it; this lets go of the shared lock just taken
             time.sleep(_TRY_GAP_S)
 
     def release(self) -> None:

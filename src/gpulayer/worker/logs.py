@@ -22,6 +22,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import msgspec
+
 from .. import defaults
 from ..errors import (
     AccessDenied,
@@ -34,6 +36,7 @@ from ..errors import (
 from ..jobs import LogLine
 
 log = logging.getLogger(__name__)
+_json = msgspec.json.encode
 
 # (job id, attempt, lines[, node]): the node only for a job of several nodes.
 Send = Callable[..., None]
@@ -186,9 +189,9 @@ class LogSender:
                 self._deliver(task, lines)
 
     def _deliver_now(self, task: TaskLog, lines: list[LogLine]) -> None:
-        # In requests the server reads (see JSON_BODY_MAX_BYTES), in order. If
-        # one fails, all go again: the server stores each line once, by its
-        # number.
+        # In requests a proxy before the server takes too (see
+        # LOG_BATCH_MAX_BYTES), in order. If one fails, all go again: the
+        # server stores each line once, by its number.
         for batch in in_batches(lines, defaults.LOG_BATCH_MAX_BYTES):
             if task.node:
                 self._send(task.job_id, task.attempt, batch, task.node)
@@ -277,18 +280,25 @@ def _refused(exc: BaseException) -> bool:
     return status is not None and 400 <= status < 500 and status not in (408, 429)
 
 
+# A line's JSON beside its text: seq, time, stream, rank and punctuation.
+_LINE_JSON = 80
+
+
 def in_batches(lines: list[LogLine], limit: int) -> list[list[LogLine]]:
-    """``lines`` in consecutive batches of at most ``limit`` bytes of text
-    (a line is cut at LOG_LINE_MAX_BYTES, far below: each batch has one)."""
+    """``lines`` in consecutive batches whose JSON takes at most ``limit``
+    bytes: each line's text as JSON escapes and encodes it (a control
+    character takes 6 bytes), and its other fields. A line is cut at
+    LOG_LINE_MAX_BYTES, far below: each batch has one."""
     batches: list[list[LogLine]] = []
     batch: list[LogLine] = []
     size = 0
     for line in lines:
-        if batch and size + len(line.text) > limit:
+        cost = len(_json(line.text)) + _LINE_JSON
+        if batch and size + cost > limit:
             batches.append(batch)
             batch, size = [], 0
         batch.append(line)
-        size += len(line.text)
+        size += cost
     if batch:
         batches.append(batch)
     return batches

@@ -79,6 +79,13 @@ def _deliver_now(deliver: Callable[[], None], keep: Callable[[], None] | None = 
     deliver()
 
 
+def _tail(lines: deque[str]) -> list[str]:
+    """The stderr lines a result carries (for its job's reason), each cut
+    short: a report stays small enough for any proxy before the server."""
+    limit = defaults.STDERR_TAIL_LINE_MAX
+    return [line if len(line) <= limit else line[:limit] + " [cut]" for line in lines]
+
+
 class TaskRun:
     def __init__(
         self,
@@ -199,7 +206,7 @@ class TaskRun:
             self._terminators.append(thread)
 
     def _result(self, outcome: Outcome, **fields: object) -> TaskResult:
-        fields.setdefault("stderr_tail", list(self._stderr_tail))
+        fields.setdefault("stderr_tail", _tail(self._stderr_tail))
         return TaskResult(
             job_id=self.task.job_id,
             attempt=self.task.attempt,
@@ -474,7 +481,7 @@ class TaskRun:
         if rank is not None:
             fields["rank"] = rank
             if rank in rank_tails:
-                fields["stderr_tail"] = list(rank_tails[rank])
+                fields["stderr_tail"] = _tail(rank_tails[rank])
         return self._result(
             ending or "exited", exit_code=code, outputs=outputs, missing_outputs=missing, **fields
         )

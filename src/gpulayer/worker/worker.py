@@ -55,6 +55,8 @@ _LOOP_END_S = 5.0
 # How long a stopping worker keeps trying to deliver reports left in its outbox,
 # when not told otherwise.
 _OUTBOX_STOP_S = 10.0
+# How long a worker whose start failed after registering waits for its goodbye.
+_GOODBYE_WAIT_S = 3.0
 
 
 class Worker:
@@ -153,15 +155,32 @@ class Worker:
         try:
             self._start()
         except BaseException:
-            # Not serving (stopped by a signal, say): registered already, it
+            # Not serving (stopped by a signal, say). Registered already, it
             # says goodbye, so that a task placed on it goes elsewhere now
-            # rather than after the heartbeat timeout; unless it keeps
-            # results, whose tasks the server would then take for lost.
-            if self._registered and not (self._ledger and self._ledger.holds_results()):
-                with contextlib.suppress(GPUlayerError):
-                    self.transport.unregister_worker(self.info.id)
-            self._claim.release()  # its GPUs are free for another worker
+            # rather than after the heartbeat timeout (the server ended what
+            # an adopted id held as it registered).
+            try:
+                self._stopping.set()  # a loop started already takes nothing more
+                if self._registered:
+                    self._goodbye_soon()
+                if self._thread is not None:
+                    self._thread.join(_LOOP_END_S)
+            finally:
+                self._claim.release()  # its GPUs are free for another worker
             raise
+
+    def _goodbye_soon(self) -> None:
+        """Unregister, waiting a few seconds at most: a start that failed (a
+        signal asked the worker to go) must not wait out the transport's
+        tries on a server that stopped answering."""
+
+        def goodbye() -> None:
+            with contextlib.suppress(GPUlayerError):
+                self.transport.unregister_worker(self.info.id)
+
+        said = threading.Thread(target=goodbye, name="gpulayer-goodbye", daemon=True)
+        said.start()
+        said.join(_GOODBYE_WAIT_S)
 
     def _start(self) -> None:
         adopted = False
