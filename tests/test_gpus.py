@@ -393,7 +393,10 @@ def test_a_gpu_is_claimed_by_one_worker_at_a_time_and_freed_when_its_holder_dies
     )
     assert unclaimed(gpus) == [gpus[0], gpus[2]], "the refused claim kept nothing"
     rest = claim_gpus(gpus, all_of_them=False)  # those left, in one pass
-    assert (rest.gpus, rest.taken) == ([gpus[0], gpus[2]], [f"nvidia GPU 1 (pid {os.getpid()})"])
+    assert (rest.gpus, rest.taken) == (
+        [gpus[0], gpus[2]],
+        [f"nvidia GPU 1 (pid {os.getpid()}): another worker offers it"],
+    )
     with pytest.raises(WorkerError, match="offers every GPU this one would: nvidia GPU 0 "):
         claim_gpus(gpus[:1], all_of_them=False)
     held.release()
@@ -507,9 +510,18 @@ def test_a_claim_that_looks_outlast_names_them(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(WorkerError) as stuck:
         claim_gpus(gpus)
     assert str(stuck.value) == (
-        f"nvidia GPU 0 could not be claimed: processes looking at the claims (pid {os.getpid()}) "
-        "held its lock file for over 1 s; try again"
+        f"processes looking at the claims held the lock file of nvidia GPU 0 (pid {os.getpid()}) "
+        "for over 1 s; try again"
     )
+    # `worker start --gpus all` offers the others, and says why not that one.
+    claim_gpus(_fake(2)[1:]).release()  # GPU 1's file is there too
+    clock = iter(float(t) * 0.6 for t in range(1000))
+    rest = claim_gpus(_fake(2), all_of_them=False)
+    assert (rest.gpus, rest.taken) == (
+        _fake(2)[1:],
+        [f"nvidia GPU 0 (pid {os.getpid()}): looks held its lock file for over 1 s"],
+    )
+    rest.release()
     os.close(look)
     directory.close()
 

@@ -3,6 +3,7 @@ its finished reports), so they may come twice or out of order."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -13,7 +14,7 @@ from typing import TypeVar
 import pytest
 
 from gpulayer.embedded import Embedded
-from gpulayer.errors import AccessDenied, InvalidStateError, ServerUnreachable
+from gpulayer.errors import AccessDenied, InvalidStateError, ServerUnreachable, WorkerError
 from gpulayer.jobs import CancelTask, Instruction, RunTask, TaskResult, WorkerInfo
 from gpulayer.spec import parse_spec
 from gpulayer.transport.http import _Received
@@ -485,11 +486,17 @@ def test_a_worker_stopped_between_registering_and_serving_says_goodbye(
 def test_a_worker_whose_start_fails_once_serving_stops_its_loop_and_says_goodbye(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its heartbeat thread cannot start, say, after its acquire loop has."""
+    """Its heartbeat thread cannot start, say, after its acquire loop has, and
+    has taken a job: the job is ended, not left running here."""
+    started = home / "started"
+    home.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(started)
 
     class NoHeartbeat(threading.Thread):
         def start(self) -> None:
             if self.name.startswith("gpulayer-heartbeat"):
+                with open(started) as job_runs:  # until the job has started
+                    job_runs.read()
                 raise RuntimeError("can't start new thread")
             super().start()
 
@@ -499,11 +506,17 @@ def test_a_worker_whose_start_fails_once_serving_stops_its_loop_and_says_goodbye
     worker = Worker(
         transport, cache=embedded.artifacts, work_dir=home / "w", slots=1, heartbeat_interval=60
     )
+    code = f"open({str(started)!r}, 'w').write('x'); import time; time.sleep(600)"
+    job = transport.submit(parse_spec({"command": [PY, "-c", code]}))
     try:
         with pytest.raises(RuntimeError, match="can't start new thread"):
-            worker.start()
+            worker.start()  # its loop has taken the job by now
         assert worker._thread is not None and not worker._thread.is_alive()
         assert embedded.plane.list_workers() == []
+        assert worker.running() == 0, "the job taken was ended, not left running here"
+        assert embedded.plane.get(job.id).state == "lost"
+        with pytest.raises(WorkerError, match="a worker starts once"):
+            worker.start()
     finally:
         embedded.close()
 

@@ -552,10 +552,8 @@ def worker_start(
     # Those another worker on this machine offers are left to it (all, or a
     # vendor's); GPUs named one by one are claimed all, or refused.
     claim = claim_gpus(gpus, all_of_them=gpu_choice.strip().lower() not in ("all", "nvidia", "amd"))
-    if claim.taken:
-        click.echo(
-            f"gpulayer: not offering {', '.join(claim.taken)}: another worker offers it", err=True
-        )
+    for left_out in claim.taken:
+        click.echo(f"gpulayer: not offering {left_out}", err=True)
     home = resolve_home(ctx.obj["home"])
     transport = HttpTransport(url, token=ctx.obj["token"], ca_file=ctx.obj["ca_file"])
     stop = threading.Event()

@@ -191,8 +191,9 @@ class GpuClaim:
         self._fds: list[int] = []
         self._pid = os.getpid()
 
-    def _take(self, gpu: Gpu, directory: _Directory) -> str | None:
-        """Claim ``gpu``; None once claimed, else who holds it."""
+    def _take(self, gpu: Gpu, directory: _Directory) -> tuple[bool, str] | None:
+        """Claim ``gpu``. None once claimed; else whether looks (not a
+        worker) held it all the while, and who: ``pid N``."""
         give_up = time.monotonic() + _TRY_FOR_S
         while True:
             fd = directory.open(gpu)
@@ -210,15 +211,12 @@ class GpuClaim:
             elif not _locked(fd, fcntl.LOCK_SH):
                 holder = directory.holder(fd)  # a worker's claim
                 os.close(fd)
-                return holder
+                return False, holder
             elif late:  # looks held it all along: one stopped half-way, say
                 fcntl.flock(fd, fcntl.LOCK_UN)  # not this one's own shared lock
                 looker = directory.holder(fd, "READ")
                 os.close(fd)
-                raise WorkerError(
-                    f"{describe(gpu)} could not be claimed: processes looking at the claims "
-                    f"({looker}) held its lock file for over {_TRY_FOR_S:g} s; try again"
-                )
+                return True, looker
             else:
                 os.close(fd)  # only looks hold it; this lets go of the shared lock just taken
             time.sleep(_TRY_GAP_S)
@@ -238,34 +236,51 @@ class GpuClaim:
 def claim_gpus(gpus: Sequence[Gpu], *, all_of_them: bool = True) -> GpuClaim:
     """Claim ``gpus``: every one of them, or none (WorkerError naming those
     that other workers hold, and by whom); or, not ``all_of_them``, those
-    no one holds, in one pass (WorkerError only if that is none of them)."""
+    it can, in one pass (WorkerError only if that is none of them; the
+    others, and why, in ``taken``)."""
     claim = GpuClaim()
     if not gpus:
         return claim
     directory = _Directory()
-    taken = []
+    held: list[tuple[Gpu, bool, str]] = []  # (GPU, looks held it, who)
     try:
         for gpu in gpus:
-            holder = claim._take(gpu, directory)
-            if holder is not None:
-                taken.append(f"{describe(gpu)} ({holder})")
+            refused = claim._take(gpu, directory)
+            if refused is not None:
+                held.append((gpu, *refused))
     except BaseException:
         claim.release()
         raise
     finally:
         directory.close()
-    if taken and (all_of_them or not claim.gpus):
-        claim.release()
-        if all_of_them:
-            raise WorkerError(
-                f"another GPUlayer worker on this machine offers {', '.join(taken)}; "
-                "a GPU is offered by one worker at a time"
-            )
-        raise WorkerError(
-            "another GPUlayer worker on this machine offers every GPU this one would: "
-            f"{', '.join(taken)}; --gpus none makes a worker of CPU slots"
+    workers = [f"{describe(g)} ({who})" for g, looks, who in held if not looks]
+    looked = [f"{describe(g)} ({who})" for g, looks, who in held if looks]
+    reasons = []
+    if workers:
+        reasons.append(f"another GPUlayer worker on this machine offers {', '.join(workers)}")
+    if looked:  # one stopped half-way through its look, say
+        reasons.append(
+            f"processes looking at the claims held the lock file of {', '.join(looked)} "
+            f"for over {_TRY_FOR_S:g} s; try again"
         )
-    claim.taken = taken
+    if held and all_of_them:
+        claim.release()
+        tail = "" if looked else "; a GPU is offered by one worker at a time"
+        raise WorkerError("; ".join(reasons) + tail)
+    if held and not claim.gpus:
+        why = "; ".join(reasons)
+        if not looked:
+            why = f"another GPUlayer worker on this machine offers every GPU this one would: {', '.join(workers)}"
+        raise WorkerError(f"{why}; --gpus none makes a worker of CPU slots")
+    claim.taken = [
+        f"{describe(g)} ({who}): "
+        + (
+            f"looks held its lock file for over {_TRY_FOR_S:g} s"
+            if looks
+            else "another worker offers it"
+        )
+        for g, looks, who in held
+    ]
     return claim
 
 

@@ -136,11 +136,16 @@ class Worker:
         # Cancels and master ports that came before their task (see _handle).
         self._early: dict[tuple[str, int], list[Instruction]] = {}
         self._registered = False  # by start(), which may yet fail after it
+        self.tasks_dir: Path | None = None  # once registered: its tasks' folders
         # Machine-wide: no other worker, however started, offers these GPUs
         # while this one does (see gpulocks.py). Last: nothing after can fail.
-        if gpu_claim is not None and gpu_claim.gpus != self.gpus:
-            raise WorkerError("a worker offers exactly the GPUs of the claim it is given")
-        self._claim = gpu_claim or claim_gpus(self.gpus)
+        try:
+            if gpu_claim is not None and gpu_claim.gpus != self.gpus:
+                raise WorkerError("a worker offers exactly the GPUs of the claim it is given")
+            self._claim = gpu_claim or claim_gpus(self.gpus)
+        except BaseException:
+            self._logs.stop()
+            raise
 
     @property
     def id(self) -> str:
@@ -152,19 +157,25 @@ class Worker:
         return self._thread is not None
 
     def start(self) -> None:
+        if self._stopping.is_set() or self._thread is not None:
+            raise WorkerError("a worker starts once: make another one")
         try:
             self._start()
         except BaseException:
+            if self._thread is not None:
+                # Its loop runs, and may have taken tasks: stopped as stop()
+                # does (its tasks end first, then the GPUs go).
+                self.stop(timeout=_LOOP_END_S)
+                raise
             # Not serving (stopped by a signal, say). Registered already, it
             # says goodbye, so that a task placed on it goes elsewhere now
             # rather than after the heartbeat timeout (the server ended what
             # an adopted id held as it registered).
             try:
-                self._stopping.set()  # a loop started already takes nothing more
+                self._stopping.set()
                 if self._registered:
                     self._goodbye_soon()
-                if self._thread is not None:
-                    self._thread.join(_LOOP_END_S)
+                self._logs.stop()
             finally:
                 self._claim.release()  # its GPUs are free for another worker
             raise
@@ -175,8 +186,11 @@ class Worker:
         tries on a server that stopped answering."""
 
         def goodbye() -> None:
-            with contextlib.suppress(GPUlayerError):
-                self.transport.unregister_worker(self.info.id)
+            try:
+                with self._registering:  # after a registration under way, as in stop()
+                    self.transport.unregister_worker(self.info.id)
+            except Exception as exc:  # the server's to notice (heartbeats stop)
+                log.debug("worker %s: goodbye not delivered: %s", self.info.id, exc)
 
         said = threading.Thread(target=goodbye, name="gpulayer-goodbye", daemon=True)
         said.start()
@@ -428,6 +442,7 @@ class Worker:
                 log.exception("worker %s: heartbeat failed", self.info.id)
 
     def _new_dir(self) -> Path:
+        assert self.tasks_dir is not None
         return self.tasks_dir / f"task-{next(self._dir_numbers)}"
 
     def _start_task(self, task: RunTask, acquired: float) -> None:
@@ -549,7 +564,8 @@ class Worker:
             with self._registering, contextlib.suppress(GPUlayerError):
                 self.transport.unregister_worker(self.info.id)
         if all_ended:
-            shutil.rmtree(self.tasks_dir, ignore_errors=True)
+            if self.tasks_dir is not None:
+                shutil.rmtree(self.tasks_dir, ignore_errors=True)
             if self._ledger is not None:
                 self._ledger.close()
         # Else a task outlived the wait: its folder and the ledger stay, for
