@@ -553,3 +553,52 @@ def test_a_failed_starts_goodbye_waits_only_a_few_seconds(
     finally:
         answered.set()
         embedded.close()
+
+
+def test_a_worker_whose_loop_thread_cannot_start_says_goodbye_and_lets_go(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The original error is the one raised; no ghost, no thread left."""
+
+    class NoLoop(threading.Thread):
+        def start(self) -> None:
+            if self.name.startswith("gpulayer-worker-"):
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", NoLoop)
+    embedded = Embedded(home)
+    worker = Worker(
+        InProcessTransport(embedded.plane, embedded.artifacts),
+        cache=embedded.artifacts,
+        work_dir=home / "w",
+        slots=1,
+    )
+    try:
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            worker.start()
+        assert embedded.plane.list_workers() == []
+        assert not worker._logs._thread.is_alive()
+    finally:
+        embedded.close()
+
+
+def test_stop_twice_touches_nothing_the_second_time(home: Path) -> None:
+    """A ledger's descriptors are closed once: the second stop() must not
+    close a file the process has opened since under the same number."""
+    embedded = Embedded(home)
+    worker = Worker(
+        InProcessTransport(embedded.plane, embedded.artifacts),
+        cache=embedded.artifacts,
+        work_dir=home / "w",
+        slots=1,
+        ledger=True,
+    )
+    try:
+        worker.start()
+        worker.stop()
+        with open(os.devnull) as since:  # may take a number the ledger had
+            worker.stop()
+            os.fstat(since.fileno())
+    finally:
+        embedded.close()

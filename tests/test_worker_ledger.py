@@ -306,10 +306,9 @@ def test_a_next_worker_that_cannot_start_keeps_the_results_it_could_not_deliver(
         assert server.finished == 1  # it tried to deliver it
         kept = [p.name for p in (work / "live").glob("*/results/*")]
         assert kept == [f"{result.job_id}-1-0"]
+        assert heir._ledger is not None and heir._ledger._fd == -1  # closed by the failed start
     finally:
         server.close()
-        if heir._ledger is not None:
-            os.close(heir._ledger._fd)
 
 
 def test_a_kept_result_that_cannot_be_read_back_is_dropped(tmp_path: Path) -> None:

@@ -203,15 +203,18 @@ class Ledger:
         """The worker stops with its tasks ended. Unless it holds results the
         server has not taken, nothing of its is left to recover."""
         with self._lock:
+            if self._fd < 0:
+                return  # closed already
             records, self._free, self._used = [*self._free, *self._used.values()], [], {}
             kept = bool(self._kept)
+            fd, self._fd = self._fd, -1
         for record in records:
             os.close(record.fd)
         if kept:
             log.warning("leaving undelivered results in %s for the next worker", self._results)
         else:
             shutil.rmtree(self.dir, ignore_errors=True)
-        os.close(self._fd)
+        os.close(fd)
 
 
 class _Record:

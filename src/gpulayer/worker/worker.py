@@ -112,7 +112,6 @@ class Worker:
         # cannot; ``on_give_up`` is told then (the CLI stops the worker).
         self.gave_up: str | None = None
         self._on_give_up = on_give_up
-        self._logs = LogSender(transport.append_logs)
         self._outbox = Outbox()
         # Remote workers heartbeat; one in the control plane's own process
         # needs not (it cannot outlive it).
@@ -137,6 +136,9 @@ class Worker:
         self._early: dict[tuple[str, int], list[Instruction]] = {}
         self._registered = False  # by start(), which may yet fail after it
         self.tasks_dir: Path | None = None  # once registered: its tasks' folders
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+        self._logs = LogSender(transport.append_logs)
         # Machine-wide: no other worker, however started, offers these GPUs
         # while this one does (see gpulocks.py). Last: nothing after can fail.
         try:
@@ -145,6 +147,8 @@ class Worker:
             self._claim = gpu_claim or claim_gpus(self.gpus)
         except BaseException:
             self._logs.stop()
+            if self._ledger is not None:
+                self._ledger.close()
             raise
 
     @property
@@ -154,7 +158,7 @@ class Worker:
     @property
     def serving(self) -> bool:
         """Whether it takes tasks (its acquire loop has started)."""
-        return self._thread is not None
+        return self._thread is not None and self._thread.ident is not None
 
     def start(self) -> None:
         if self._stopping.is_set() or self._thread is not None:
@@ -162,10 +166,12 @@ class Worker:
         try:
             self._start()
         except BaseException:
-            if self._thread is not None:
+            if self.serving:
                 # Its loop runs, and may have taken tasks: stopped as stop()
-                # does (its tasks end first, then the GPUs go).
-                self.stop(timeout=_LOOP_END_S)
+                # does (its tasks end first, then the GPUs go), on a thread,
+                # for as long as ending a task takes: not for the transport's
+                # every try on a server that stopped answering.
+                self._stop_soon(self.kill_grace + _LOOP_END_S + _GOODBYE_WAIT_S)
                 raise
             # Not serving (stopped by a signal, say). Registered already, it
             # says goodbye, so that a task placed on it goes elsewhere now
@@ -176,9 +182,25 @@ class Worker:
                 if self._registered:
                     self._goodbye_soon()
                 self._logs.stop()
+                if self._ledger is not None:
+                    self._ledger.close()
             finally:
                 self._claim.release()  # its GPUs are free for another worker
             raise
+
+    def _stop_soon(self, wait: float) -> None:
+        """stop() on a thread of its own, waited for ``wait`` s at most; what it
+        raises is logged (the failure that led here is the one to raise)."""
+
+        def stop() -> None:
+            try:
+                self.stop(timeout=wait)
+            except Exception:
+                log.exception("worker %s: stopping after a failed start", self.info.id)
+
+        stopping = threading.Thread(target=stop, name="gpulayer-stop", daemon=True)
+        stopping.start()
+        stopping.join(wait + _GOODBYE_WAIT_S)
 
     def _goodbye_soon(self) -> None:
         """Unregister, waiting a few seconds at most: a start that failed (a
@@ -515,22 +537,28 @@ class Worker:
             return len(self._tasks)
 
     def stop(self, timeout: float | None = None) -> None:
-        """End running tasks (reported lost), then leave the control plane."""
-        all_ended = False
-        try:
-            all_ended = self._stop(timeout)
-        finally:
-            # A task that outlived the wait still uses its GPUs: they stay
-            # claimed while this worker object lives.
-            if all_ended or self._thread is None:
-                self._claim.release()
+        """End running tasks (reported lost), then leave the control plane.
+        Once stopped, again is nothing (a stop that failed may be tried again)."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            all_ended = False
+            try:
+                all_ended = self._stop(timeout)
+                self._stopped = True
+            finally:
+                # A task that outlived the wait still uses its GPUs: they stay
+                # claimed while this worker object lives.
+                if all_ended or not self.serving:
+                    self._claim.release()
 
     def _stop(self, timeout: float | None) -> bool:
         self._stopping.set()
         if self.info.id:  # first, so nothing more is placed here while the tasks end
             with contextlib.suppress(GPUlayerError):  # not heard: handed back (see _start_task)
                 self.transport.heartbeat(self.info.id, stopping=True)
-        if self._thread is not None:
+        if self.serving:
+            assert self._thread is not None
             # Its long poll ends now; what that brought is handed back first.
             self._thread.join(_LOOP_END_S if timeout is None else min(timeout, _LOOP_END_S))
         with self._tasks_lock:
