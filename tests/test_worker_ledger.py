@@ -62,6 +62,30 @@ def test_a_task_that_outlives_the_stop_is_left_in_the_ledger(home: Path) -> None
         embedded.close()
 
 
+def test_stop_again_once_a_task_that_outlived_it_ended_tidies_up(home: Path) -> None:
+    embedded = Embedded(home)
+    worker = Worker(
+        embedded.transport,
+        cache=embedded.artifacts,
+        work_dir=home / "ledger-workers",
+        slots=1,
+        kill_grace=0.5,  # longer than the first stop waits
+        ledger=True,
+    )
+    try:
+        worker.start()
+        job = embedded.transport.submit(parse_spec({"command": [PY, "-c", STUBBORN]}))
+        embedded.plane.read_logs(job.id, timeout=30)  # it runs
+        worker.stop(timeout=0.1)  # it ignores SIGTERM: it outlives this stop
+        with worker._tasks_lock:  # until SIGKILL after the grace, and its report
+            assert worker._idle.wait_for(lambda: not worker._tasks, 30)
+        worker.stop()
+        assert worker._ledger is not None and not worker._ledger.dir.exists()
+        assert worker.tasks_dir is not None and not worker.tasks_dir.exists()
+    finally:
+        embedded.close()
+
+
 def test_record_files_are_reused_in_place_and_blanked_when_tasks_end(tmp_path: Path) -> None:
     ledger = Ledger(tmp_path)
     try:
@@ -306,9 +330,10 @@ def test_a_next_worker_that_cannot_start_keeps_the_results_it_could_not_deliver(
         assert server.finished == 1  # it tried to deliver it
         kept = [p.name for p in (work / "live").glob("*/results/*")]
         assert kept == [f"{result.job_id}-1-0"]
-        assert heir._ledger is not None and heir._ledger._fd == -1  # closed by the failed start
     finally:
         server.close()
+        if heir._ledger is not None:
+            os.close(heir._ledger._fd)  # as its process exits
 
 
 def test_a_kept_result_that_cannot_be_read_back_is_dropped(tmp_path: Path) -> None:
@@ -429,3 +454,34 @@ def test_a_result_is_kept_at_once_while_a_send_of_its_last_lines_hangs(
         transport.away.clear()
         worker.stop(timeout=10)
         embedded.close()
+
+
+def test_a_dead_workers_id_a_next_one_failed_to_register_with_is_adopted_by_the_one_after(
+    tmp_path: Path,
+) -> None:
+    """ "Should this process die before it registers, the next one adopts the
+    id in turn": so should it fail to register."""
+    from gpulayer.artifacts import ArtifactStore
+    from gpulayer.errors import ServerUnreachable
+    from gpulayer.transport.http import HttpTransport
+
+    work = tmp_path / "workers"
+    dead = Ledger(work)
+    dead.set_worker_id("1m8deadworker0")
+    os.close(dead._fd)  # its process dies, with nothing kept
+    heir = Worker(
+        HttpTransport("http://127.0.0.1:9", token="t", retries=1),  # nothing listens
+        cache=ArtifactStore(tmp_path / "cache"),
+        work_dir=work,
+        slots=1,
+        ledger=True,
+    )
+    with pytest.raises(ServerUnreachable):
+        heir.start()
+    assert heir._ledger is not None
+    os.close(heir._ledger._fd)  # as its process exits
+    after = Ledger(work)
+    try:
+        assert after.recover(grace=0.1) == "1m8deadworker0"
+    finally:
+        after.close()

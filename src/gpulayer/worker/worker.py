@@ -181,9 +181,10 @@ class Worker:
                 self._stopping.set()
                 if self._registered:
                     self._goodbye_soon()
+                # Its ledger stays as it is, for the next worker process on
+                # this home: an id adopted and not registered is for that
+                # one to adopt in turn.
                 self._logs.stop()
-                if self._ledger is not None:
-                    self._ledger.close()
             finally:
                 self._claim.release()  # its GPUs are free for another worker
             raise
@@ -545,7 +546,9 @@ class Worker:
             all_ended = False
             try:
                 all_ended = self._stop(timeout)
-                self._stopped = True
+                # A task that outlived the wait: stop() again, once it has
+                # ended, tidies up what is left.
+                self._stopped = all_ended
             finally:
                 # A task that outlived the wait still uses its GPUs: they stay
                 # claimed while this worker object lives.
