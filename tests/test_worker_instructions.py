@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -56,6 +56,16 @@ class _HeldPoll(InProcessTransport):
     def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
         self.closed.wait(timeout)
         return []
+
+
+def _worker_on(
+    embedded: Embedded, transport: InProcessTransport | None = None, **options: Any
+) -> Worker:
+    """A one-slot worker (not started) on ``transport``, by default the plane's own."""
+    transport = transport or InProcessTransport(embedded.plane, embedded.artifacts)
+    return Worker(
+        transport, cache=embedded.artifacts, work_dir=embedded.home.path / "w", slots=1, **options
+    )
 
 
 @contextmanager
@@ -503,9 +513,7 @@ def test_a_worker_whose_start_fails_once_serving_stops_its_loop_and_says_goodbye
     monkeypatch.setattr(threading, "Thread", NoHeartbeat)
     embedded = Embedded(home)
     transport = InProcessTransport(embedded.plane, embedded.artifacts)
-    worker = Worker(
-        transport, cache=embedded.artifacts, work_dir=home / "w", slots=1, heartbeat_interval=60
-    )
+    worker = _worker_on(embedded, transport, heartbeat_interval=60)
     code = f"open({str(started)!r}, 'w').write('x'); import time; time.sleep(600)"
     job = transport.submit(parse_spec({"command": [PY, "-c", code]}))
     try:
@@ -540,12 +548,7 @@ def test_a_failed_starts_goodbye_waits_only_a_few_seconds(
     monkeypatch.setattr(worker_module, "_GOODBYE_WAIT_S", 0.2)
     monkeypatch.setattr(worker_module, "make_spare", signalled)
     embedded = Embedded(home)
-    worker = Worker(
-        Unanswered(embedded.plane, embedded.artifacts),
-        cache=embedded.artifacts,
-        work_dir=home / "w",
-        slots=1,
-    )
+    worker = _worker_on(embedded, Unanswered(embedded.plane, embedded.artifacts))
     try:
         with pytest.raises(KeyboardInterrupt):
             worker.start()  # after 0.2 s, not once the goodbye is answered
@@ -568,12 +571,7 @@ def test_a_worker_whose_loop_thread_cannot_start_says_goodbye_and_lets_go(
 
     monkeypatch.setattr(threading, "Thread", NoLoop)
     embedded = Embedded(home)
-    worker = Worker(
-        InProcessTransport(embedded.plane, embedded.artifacts),
-        cache=embedded.artifacts,
-        work_dir=home / "w",
-        slots=1,
-    )
+    worker = _worker_on(embedded)
     try:
         with pytest.raises(RuntimeError, match="can't start new thread"):
             worker.start()
@@ -587,13 +585,7 @@ def test_stop_twice_touches_nothing_the_second_time(home: Path) -> None:
     """A ledger's descriptors are closed once: the second stop() must not
     close a file the process has opened since under the same number."""
     embedded = Embedded(home)
-    worker = Worker(
-        InProcessTransport(embedded.plane, embedded.artifacts),
-        cache=embedded.artifacts,
-        work_dir=home / "w",
-        slots=1,
-        ledger=True,
-    )
+    worker = _worker_on(embedded, ledger=True)
     try:
         worker.start()
         worker.stop()

@@ -32,17 +32,22 @@ STUBBORN = (
 )
 
 
-def test_a_task_that_outlives_the_stop_is_left_in_the_ledger(home: Path) -> None:
-    embedded = Embedded(home)
-    work = home / "ledger-workers"
-    worker = Worker(
+def _keeping_a_ledger(embedded: Embedded, work: Path, *, kill_grace: float) -> Worker:
+    """A one-slot worker (not started) that keeps a ledger, as a worker process does."""
+    return Worker(
         embedded.transport,
         cache=embedded.artifacts,
         work_dir=work,
         slots=1,
-        kill_grace=60,  # longer than the stop below waits
+        kill_grace=kill_grace,
         ledger=True,
     )
+
+
+def test_a_task_that_outlives_the_stop_is_left_in_the_ledger(home: Path) -> None:
+    embedded = Embedded(home)
+    work = home / "ledger-workers"
+    worker = _keeping_a_ledger(embedded, work, kill_grace=60)  # longer than the stop waits
     try:
         worker.start()
         job = embedded.transport.submit(parse_spec({"command": [PY, "-c", STUBBORN]}))
@@ -64,14 +69,8 @@ def test_a_task_that_outlives_the_stop_is_left_in_the_ledger(home: Path) -> None
 
 def test_stop_again_once_a_task_that_outlived_it_ended_tidies_up(home: Path) -> None:
     embedded = Embedded(home)
-    worker = Worker(
-        embedded.transport,
-        cache=embedded.artifacts,
-        work_dir=home / "ledger-workers",
-        slots=1,
-        kill_grace=0.5,  # longer than the first stop waits
-        ledger=True,
-    )
+    # Its grace is longer than the first stop waits.
+    worker = _keeping_a_ledger(embedded, home / "ledger-workers", kill_grace=0.5)
     try:
         worker.start()
         job = embedded.transport.submit(parse_spec({"command": [PY, "-c", STUBBORN]}))
