@@ -459,6 +459,17 @@ def test_what_another_user_plants_in_the_claims_directory_harms_no_file(
     assert oct(private.stat().st_mode & 0o7777) == "0o700"
 
 
+def test_a_lock_file_is_made_for_every_user_whatever_the_umask() -> None:
+    """Else another user's worker could not open it, even to look."""
+    before = os.umask(0o077)
+    try:
+        claim_gpus(_fake(1)).release()
+    finally:
+        os.umask(before)
+    (made,) = Path(os.environ["GPULAYER_GPU_LOCKS"]).iterdir()
+    assert oct(made.stat().st_mode & 0o777) == "0o644"
+
+
 def test_a_look_at_the_claims_makes_nothing_and_never_makes_a_claim_fail(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
