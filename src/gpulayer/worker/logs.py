@@ -276,7 +276,7 @@ def _refused(exc: BaseException) -> bool:
     next batch."""
     if isinstance(exc, (AccessDenied, InvalidStateError, JobNotFoundError, SpecError)):
         return True
-    status = getattr(exc, "status", None) if isinstance(exc, TransportError) else None
+    status = exc.status if isinstance(exc, TransportError) else None
     return status is not None and 400 <= status < 500 and status not in (408, 429)
 
 

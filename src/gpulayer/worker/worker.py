@@ -190,34 +190,33 @@ class Worker:
             raise
 
     def _stop_soon(self, wait: float) -> None:
-        """stop() on a thread of its own, waited for ``wait`` s at most; what it
-        raises is logged (the failure that led here is the one to raise)."""
-
-        def stop() -> None:
-            try:
-                self.stop(timeout=wait)
-            except Exception:
-                log.exception("worker %s: stopping after a failed start", self.info.id)
-
-        stopping = threading.Thread(target=stop, name="gpulayer-stop", daemon=True)
-        stopping.start()
-        stopping.join(wait + _GOODBYE_WAIT_S)
+        """stop() after a failed start, waited for ``wait`` s at most."""
+        self._waited_for("stopping", lambda: self.stop(timeout=wait), wait + _GOODBYE_WAIT_S)
 
     def _goodbye_soon(self) -> None:
-        """Unregister, waiting a few seconds at most: a start that failed (a
-        signal asked the worker to go) must not wait out the transport's
-        tries on a server that stopped answering."""
+        """Unregister after a failed start, waited for a few seconds at most."""
 
         def goodbye() -> None:
-            try:
-                with self._registering:  # after a registration under way, as in stop()
-                    self.transport.unregister_worker(self.info.id)
-            except Exception as exc:  # the server's to notice (heartbeats stop)
-                log.debug("worker %s: goodbye not delivered: %s", self.info.id, exc)
+            with self._registering:  # after a registration under way, as in stop()
+                self.transport.unregister_worker(self.info.id)
 
-        said = threading.Thread(target=goodbye, name="gpulayer-goodbye", daemon=True)
-        said.start()
-        said.join(_GOODBYE_WAIT_S)
+        self._waited_for("saying goodbye", goodbye, _GOODBYE_WAIT_S)
+
+    def _waited_for(self, what: str, step: Callable[[], None], wait: float) -> None:
+        """``step`` on a thread of its own, waited for ``wait`` s at most: a
+        start that failed (a signal asked the worker to go) must not wait out
+        the transport's tries on a server that stopped answering. What it
+        raises is logged: the failure that led here is the one to raise."""
+
+        def run() -> None:
+            try:
+                step()
+            except Exception:
+                log.warning("worker %s: %s after a failed start", self.info.id, what, exc_info=True)
+
+        thread = threading.Thread(target=run, name="gpulayer-after-start", daemon=True)
+        thread.start()
+        thread.join(wait)
 
     def _start(self) -> None:
         adopted = False
