@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from gpulayer.embedded import Embedded
-from gpulayer.errors import ServerUnreachable
+from gpulayer.errors import ServerUnreachable, WorkerError
 from gpulayer.jobs import Instruction, LogLine, TaskResult
 from gpulayer.spec import parse_spec
 from gpulayer.transport.inprocess import InProcessTransport
@@ -484,3 +484,37 @@ def test_a_dead_workers_id_a_next_one_failed_to_register_with_is_adopted_by_the_
         assert after.recover(grace=0.1) == "1m8deadworker0"
     finally:
         after.close()
+
+
+def test_a_warden_is_not_forked_once_a_thread_runs(home: Path) -> None:
+    """A fork copies the calling thread alone: a lock another thread held
+    would stay held in the warden. So a worker refuses, and keeps nothing."""
+    embedded = Embedded(home)
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    work = home / "workers"
+    try:
+        with pytest.raises(WorkerError, match="before the worker starts any thread"):
+            Worker(
+                embedded.transport,
+                cache=embedded.artifacts,
+                work_dir=work,
+                slots=1,
+                ledger=True,
+                warden=True,
+            )
+    finally:
+        release.set()
+        other.join()
+        embedded.close()
+    assert list((work / "live").iterdir()) == []
+
+
+def test_a_warden_needs_a_ledger(home: Path) -> None:
+    embedded = Embedded(home)
+    try:
+        with pytest.raises(WorkerError, match="ledger=True"):
+            Worker(embedded.transport, cache=embedded.artifacts, work_dir=home / "w", warden=True)
+    finally:
+        embedded.close()

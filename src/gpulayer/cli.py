@@ -569,6 +569,7 @@ def worker_start(
         heartbeat_interval=defaults.HEARTBEAT_INTERVAL_S,
         address=advertise or transport.local_address(),
         ledger=True,
+        warden=True,
         on_give_up=stop.set,
     )
 

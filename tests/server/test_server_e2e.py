@@ -219,6 +219,54 @@ def test_worker_killed_mid_task_is_retried_elsewhere(tmp_path: Path) -> None:
         srv.stop()
 
 
+def _warden_of(worker: subprocess.Popen[str]) -> psutil.Process:
+    """A worker process's one child while it runs no task: its warden."""
+    (warden,) = psutil.Process(worker.pid).children()
+    return warden
+
+
+def test_a_killed_workers_warden_ends_the_task_trees_it_left(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    """SIGKILL gives a worker no chance to end its tasks, which run in
+    sessions of their own: its warden ends them (a grandchild too) at once,
+    rather than the next worker on the home, which may never come."""
+    doomed = server.start_worker(tmp_path / "w", name="doomed")
+    warden = _warden_of(doomed)
+    code = (
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print('pids', os.getpid(), child.pid, flush=True)\n"
+        "time.sleep(600)"
+    )
+    with server.client() as client:
+        job = client.submit(command=[PY, "-c", code])
+        pids = [int(p) for p in follow_until(job, "pids").split()[1:]]
+        assert len(pids_alive(*pids)) == 2
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        said(doomed, "its warden ended the 1 task process tree(s) it left running")
+        warden.wait(timeout=30)  # not our child: no exit code to see
+        assert pids_alive(*pids) == [], "the task and its child outlived their worker"
+        job.cancel()
+
+
+def test_a_worker_that_stops_takes_its_warden_along(server: ServerProc, tmp_path: Path) -> None:
+    worker = server.start_worker(tmp_path / "w")
+    warden = _warden_of(worker)
+    # It holds stdin and stdout (/dev/null), stderr, its pipe and the
+    # ledger's lock: no socket to the server, nor a pipe another process
+    # waits to see closed.
+    assert warden.num_fds() == 5, warden.open_files()
+    assert warden.net_connections() == []
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+    warden.wait(timeout=30)  # raises if it is still there then
+    assert worker.stderr is not None
+    assert "warden" not in worker.stderr.read()  # it had nothing to end
+    assert not list((tmp_path / "w" / "workers" / "live").iterdir())
+
+
 def test_refuses_non_loopback_without_auth(tmp_path: Path) -> None:
     from gpulayer.errors import GPUlayerError
     from gpulayer.http.server import Server
@@ -340,6 +388,11 @@ def test_a_server_home_is_its_own(server: ServerProc, tmp_path: Path) -> None:
     # A second server on the same home is refused.
     second = _server_start(server.home)
     assert second.returncode != 0 and "another GPUlayer server" in second.stderr
+    # Stopped, it is a server's home still.
+    server.stop()  # and waited for
+    assert server.proc is not None and server.proc.poll() is not None
+    with pytest.raises(GPUlayerError, match="server's home"):
+        gpulayer.Client(home=server.home)
 
 
 def test_a_server_will_not_share_its_home_with_an_embedded_client(tmp_path: Path) -> None:

@@ -91,10 +91,7 @@ class Ledger:
             if fd is None:
                 continue  # a live worker's (another worker process on this home)
             try:
-                ended = 0
-                for record in (other / "tasks").glob("*"):
-                    for pid, created in _read(record):
-                        ended += kill_orphans(pid, created, grace=grace)
+                ended = end_listed(other, grace=grace)
                 if ended:
                     log.warning("ended %d process tree(s) a dead worker left running", ended)
                 moved = sorted((other / "results").glob("[!.]*"))
@@ -114,6 +111,11 @@ class Ledger:
             finally:
                 os.close(fd)
         return adopted
+
+    @property
+    def lock_fd(self) -> int:
+        """The descriptor whose lock says this ledger's worker is alive."""
+        return self._fd
 
     def set_worker_id(self, worker_id: str) -> None:
         (self.dir / "worker-id").write_text(worker_id)
@@ -236,6 +238,16 @@ def _sync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def end_listed(ledger_dir: Path, *, grace: float) -> int:
+    """End the process trees a dead worker's ledger lists as running (each
+    still the same process: pid and start time agree); how many there were."""
+    ended = 0
+    for record in (ledger_dir / "tasks").glob("*"):
+        for pid, created in _read(record):
+            ended += kill_orphans(pid, created, grace=grace)
+    return ended
 
 
 def _result_name(result: TaskResult) -> str:

@@ -44,6 +44,7 @@ from .ledger import Kept, Ledger
 from .logs import LogSender, in_batches
 from .outbox import Outbox
 from .task import TaskRun
+from .warden import Warden
 from .workspace import make_spare, reuse_if_empty
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class Worker:
         heartbeat_interval: float | None = None,
         address: str | None = None,
         ledger: bool = False,
+        warden: bool = False,
         on_give_up: Callable[[], None] | None = None,
         gpu_claim: GpuClaim | None = None,
     ) -> None:
@@ -127,6 +129,17 @@ class Worker:
         # A worker process of its own keeps a ledger of its tasks' processes,
         # for the next one on this home to end if it dies (see ledger.py).
         self._ledger = Ledger(work_dir) if ledger else None
+        # And forks a warden that ends them as soon as it dies (warden.py):
+        # here, before the worker has a thread.
+        self._warden: Warden | None = None
+        if warden:
+            if self._ledger is None:
+                raise WorkerError("a worker's warden ends what its ledger lists: ledger=True")
+            try:
+                self._warden = Warden(self._ledger, grace=kill_grace)
+            except BaseException:
+                self._ledger.close()
+                raise
         self._interface: str | None = None  # of its advertised address (launch.py)
         # Held while registering again, and while a finished report's reply
         # is acted on (see _finish); re-entrant: a task handed back as the
@@ -149,6 +162,8 @@ class Worker:
             self._logs.stop()
             if self._ledger is not None:
                 self._ledger.close()
+            if self._warden is not None:
+                self._warden.release()
             raise
 
     @property
@@ -187,6 +202,8 @@ class Worker:
                 self._logs.stop()
             finally:
                 self._claim.release()  # its GPUs are free for another worker
+                if self._warden is not None:  # it took no task to end
+                    self._warden.release()
             raise
 
     def _stop_soon(self, wait: float) -> None:
@@ -598,6 +615,8 @@ class Worker:
                 shutil.rmtree(self.tasks_dir, ignore_errors=True)
             if self._ledger is not None:
                 self._ledger.close()
+            if self._warden is not None:
+                self._warden.release()
         # Else a task outlived the wait: its folder and the ledger stay, for
         # the next worker on this home to end what is left and tidy up.
         return all_ended

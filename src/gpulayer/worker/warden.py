@@ -1,0 +1,122 @@
+"""A worker process's warden: it ends the worker's tasks when the worker dies.
+
+A task's processes run in sessions of their own, so a Ctrl-C at the worker's
+terminal reaches the worker alone, which then ends them in order. That also
+lets them outlive a worker that is killed (SIGKILL, the OOM killer, a crash).
+The next worker process on the home ends them (see ledger.py); without the
+warden they would run on until one starts, while the server retries their
+jobs elsewhere and the GPUs they hold are offered again.
+
+So a worker process forks a warden as it starts, before it has a thread: a
+process that only waits on a pipe whose one writer is the worker, and never
+written to. The pipe reads end-of-file once the worker is gone, however it
+went. The warden then ends every process tree the worker's ledger lists as
+running (still the same process: pid and start time agree), says so on the
+worker's stderr, and exits. A worker that stopped normally ended its tasks
+and blanked their records first: its warden finds nothing to end.
+
+The warden holds the ledger's lock as the worker did (it inherits the
+descriptor), so the next worker process on the home does not take the
+ledger over while its processes are being ended; it then finds them gone.
+It ignores the signals a terminal or a service manager sends to the
+worker's whole process group: the worker handles those, and the warden goes
+when the worker does. It takes no lock and starts no thread: what it runs
+in the forked child is its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import signal
+import threading
+from pathlib import Path
+
+from ..errors import WorkerError
+from .ledger import Ledger, end_listed
+
+
+class Warden:
+    """The forked warden of this worker process (see the module's doc)."""
+
+    def __init__(self, ledger: Ledger, *, grace: float) -> None:
+        if threading.active_count() > 1:
+            # A fork copies only the calling thread: a lock another thread
+            # held stays held in the child forever.
+            raise WorkerError("a worker's warden is forked before the worker starts any thread")
+        read_end, write_end = os.pipe()
+        worker = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the warden; it never returns
+            code = 0
+            try:
+                _watch(read_end, ledger, grace, worker)
+            except BaseException as exc:
+                _say(f"gpulayer: the warden of worker process {worker} failed: {exc!r}\n")
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(read_end)
+        self.pid = pid
+        self._write_end: int | None = write_end
+
+    def release(self) -> None:
+        """The worker stops with its tasks ended: the warden goes now (it
+        ends what the ledger still lists, if anything), and is reaped."""
+        fd, self._write_end = self._write_end, None
+        if fd is None:
+            return
+        os.close(fd)
+        # Reaped on a thread: it may take a task's kill grace to end one
+        # that outlived the worker's stop.
+        threading.Thread(
+            target=_reap, args=(self.pid,), name="gpulayer-warden", daemon=True
+        ).start()
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):  # reaped already
+        os.waitpid(pid, 0)
+
+
+def _watch(read_end: int, ledger: Ledger, grace: float, worker: int) -> None:
+    # Objects the worker made stay as they are: a cycle collected here could
+    # close a descriptor whose number this process has since reused.
+    gc.disable()
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_IGN)
+    # Only the pipe, the ledger's lock and stderr stay open: no reader of the
+    # worker's stdout, nor the server, waits on the warden.
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    if null > 2:
+        os.close(null)
+    keep = {0, 1, 2, read_end, ledger.lock_fd}
+    for fd in _open_fds():
+        if fd not in keep:
+            with contextlib.suppress(OSError):  # the listing's own, closed already
+                os.close(fd)
+    while os.read(read_end, 1):
+        pass  # nothing is written: only the end counts
+    ended = end_listed(Path(ledger.dir), grace=grace)
+    if ended:
+        _say(
+            f"gpulayer: worker process {worker} is gone; its warden ended the "
+            f"{ended} task process tree(s) it left running\n"
+        )
+
+
+def _open_fds() -> list[int]:
+    """This process's open descriptors (a listing, not a loop up to the
+    limit on open files, which may be in the millions)."""
+    for listing in ("/proc/self/fd", "/dev/fd"):
+        with contextlib.suppress(OSError):
+            return [int(name) for name in os.listdir(listing)]
+    return list(range(os.sysconf("SC_OPEN_MAX")))
+
+
+def _say(text: str) -> None:
+    with contextlib.suppress(OSError):  # no one reads the worker's stderr any more
+        os.write(2, text.encode())
