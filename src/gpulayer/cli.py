@@ -557,6 +557,18 @@ def worker_start(
     home = resolve_home(ctx.obj["home"])
     transport = HttpTransport(url, token=ctx.obj["token"], ca_file=ctx.obj["ca_file"])
     stop = threading.Event()
+
+    def goodbye(worker_id: str) -> None:
+        # In the worker's warden, another process: a connection of its own, one try.
+        farewell = HttpTransport(
+            url,
+            token=ctx.obj["token"],
+            ca_file=ctx.obj["ca_file"],
+            timeout=defaults.WARDEN_GOODBYE_TIMEOUT_S,
+            retries=1,
+        )
+        farewell.unregister_worker(worker_id, died=True)
+
     node = Worker(
         transport,
         cache=ArtifactStore(Path(cache) if cache else home / "worker-cache"),
@@ -570,6 +582,7 @@ def worker_start(
         address=advertise or transport.local_address(),
         ledger=True,
         warden=True,
+        warden_goodbye=goodbye,
         on_give_up=stop.set,
     )
 

@@ -88,6 +88,9 @@ SERVER_PORT = 8585
 # and its tasks retried elsewhere (within their budget) or ended ``lost``.
 HEARTBEAT_INTERVAL_S = 5.0
 HEARTBEAT_TIMEOUT_S = 30.0
+# A killed worker's warden tells the server it is gone in one try this long
+# (else the server finds out when its heartbeats stop).
+WARDEN_GOODBYE_TIMEOUT_S = 3.0
 # A worker that cannot reach the server retries with backoff up to this.
 RECONNECT_MAX_S = 10.0
 # Instructions sent to a worker over HTTP and not yet acknowledged, kept to

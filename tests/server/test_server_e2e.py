@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 import gpulayer
+from gpulayer.jobs import WORKER_DIED
 from gpulayer.worker.gpus import GPUS_HELP
 from server.conftest import ServerProc, free_port, said, worker_start_refused
 
@@ -199,6 +200,9 @@ def test_worker_killed_mid_task_is_retried_elsewhere(tmp_path: Path) -> None:
             )
             follow_until(job, "on")
             lost = client.submit(command=[PY, "-c", "import time; time.sleep(60)"])
+            # Its warden too (as a SIGKILL to the process group would): no
+            # one says it is gone, the heartbeat timeout finds out.
+            _warden_of(doomed).kill()
             doomed.send_signal(signal.SIGKILL)
             doomed.wait()
             srv.start_worker(tmp_path / "w2", name="spare", slots=2)
@@ -220,8 +224,10 @@ def test_worker_killed_mid_task_is_retried_elsewhere(tmp_path: Path) -> None:
 
 
 def _warden_of(worker: subprocess.Popen[str]) -> psutil.Process:
-    """A worker process's one child while it runs no task: its warden."""
-    (warden,) = psutil.Process(worker.pid).children()
+    """A worker process's warden: the child forked from it (its tasks are
+    children too, but run other programs)."""
+    parent = psutil.Process(worker.pid)
+    (warden,) = [c for c in parent.children() if c.cmdline() == parent.cmdline()]
     return warden
 
 
@@ -230,7 +236,8 @@ def test_a_killed_workers_warden_ends_the_task_trees_it_left(
 ) -> None:
     """SIGKILL gives a worker no chance to end its tasks, which run in
     sessions of their own: its warden ends them (a grandchild too) at once,
-    rather than the next worker on the home, which may never come."""
+    rather than the next worker on the home, which may never come. Then it
+    tells the server, so the job does not wait out the heartbeat timeout."""
     doomed = server.start_worker(tmp_path / "w", name="doomed")
     warden = _warden_of(doomed)
     code = (
@@ -248,7 +255,10 @@ def test_a_killed_workers_warden_ends_the_task_trees_it_left(
         said(doomed, "its warden ended the 1 task process tree(s) it left running")
         warden.wait(timeout=30)  # not our child: no exit code to see
         assert pids_alive(*pids) == [], "the task and its child outlived their worker"
-        job.cancel()
+        info = job.refresh()
+        assert info.state == "lost", info  # no retries left; and no heartbeat timeout (30 s) yet
+        assert info.reason == WORKER_DIED, info.reason
+        assert [w.name for w in client.workers()] == []
 
 
 def test_a_worker_that_stops_takes_its_warden_along(server: ServerProc, tmp_path: Path) -> None:
@@ -667,9 +677,10 @@ def test_a_distributed_job_across_worker_processes(server: ServerProc, tmp_path:
 def test_a_killed_workers_processes_are_ended_by_the_next_on_its_home(
     server: ServerProc, tmp_path: Path
 ) -> None:
-    """SIGKILL leaves a task's tree running; the next worker started on the
-    same home ends it, and comes back under the dead worker's id so that the
-    server ends the job at once instead of after the heartbeat timeout."""
+    """SIGKILL to the worker and its warden (as to their process group)
+    leaves a task's tree running; the next worker started on the same home
+    ends it, and comes back under the dead worker's id so that the server
+    ends the job at once instead of after the heartbeat timeout."""
     doomed = server.start_worker(tmp_path / "w", name="doomed")
     code = (
         "import subprocess, sys, time\n"
@@ -681,6 +692,7 @@ def test_a_killed_workers_processes_are_ended_by_the_next_on_its_home(
         job = client.submit(command=[PY, "-c", code])
         grandchild = int(follow_until(job, "pids").split()[1])
         old_worker = job.refresh().worker
+        _warden_of(doomed).kill()
         doomed.send_signal(signal.SIGKILL)
         doomed.wait()
         assert pids_alive(grandchild), "a task's tree outlives its killed worker"
@@ -720,3 +732,42 @@ def test_missing_blobs_are_asked_about_in_parts(
     finally:
         transport.close()
     assert asked == [2, 2, 1]
+
+
+def test_a_dead_workers_goodbye_to_a_server_that_predates_died_is_a_plain_one() -> None:
+    """A server of the version before ``died`` refuses the parameter (422):
+    the warden's goodbye is then sent without it, so the jobs still go
+    elsewhere at once, under the older reason."""
+    import http.server
+
+    from gpulayer.transport.http import HttpTransport
+
+    seen: list[str] = []
+
+    class OldServer(http.server.BaseHTTPRequestHandler):
+        def do_DELETE(self) -> None:
+            seen.append(self.path)
+            if "?" in self.path:
+                body = b'{"error": "unknown query parameter \'died\'; it takes none"}'
+                self.send_response(422)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            else:
+                self.send_response(204)
+                self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OldServer)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        transport = HttpTransport(f"http://127.0.0.1:{httpd.server_address[1]}", retries=1)
+        transport.unregister_worker("1m8worker00001", died=True)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert seen == ["/api/v1/workers/1m8worker00001?died=1", "/api/v1/workers/1m8worker00001"]

@@ -30,7 +30,16 @@ from ..errors import (
     SpecError,
     StoreError,
 )
-from ..jobs import RUNNING, STATES, JobInfo, LogChunk, TaskResult, TaskStarted
+from ..jobs import (
+    RUNNING,
+    STATES,
+    WORKER_DIED,
+    WORKER_STOPPED,
+    JobInfo,
+    LogChunk,
+    TaskResult,
+    TaskStarted,
+)
 from ..service import ControlPlane
 from ..service.state import Delivery
 from ..signals import Unsubscribe
@@ -483,7 +492,9 @@ class Api:
     async def unregister(self, request: Request) -> Response:
         worker_id = request.path_params["worker_id"]
         self._check_owner(request, worker_id)
-        self.plane.unregister_worker(worker_id, said=True)  # its row, binding and all
+        died = _query_int(request, "died", 0, high=1)
+        reason = WORKER_DIED if died else WORKER_STOPPED
+        self.plane.unregister_worker(worker_id, reason, said=True)  # its row, binding and all
         self._owners.pop(worker_id, None)
         return Response(status=204)
 
@@ -708,7 +719,7 @@ def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: b
         ("GET", f"{v1}/jobs/{{job_id}}/logs", g(user, api.job_logs, ("attempt", "seq", "timeout"))),
         ("GET", f"{v1}/workers", g(user, api.list_workers)),
         ("POST", f"{v1}/workers", g(worker, api.register)),
-        ("DELETE", f"{v1}/workers/{{worker_id}}", g(worker, api.unregister)),
+        ("DELETE", f"{v1}/workers/{{worker_id}}", g(worker, api.unregister, ("died",))),
         ("POST", f"{v1}/workers/{{worker_id}}/heartbeat", g(worker, api.heartbeat)),
         (
             "POST",

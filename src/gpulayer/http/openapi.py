@@ -96,7 +96,20 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
         WorkerInfo,
         {},
     ),
-    ("delete", "/api/v1/workers/{worker_id}", "Unregister a worker", None, None, {}),
+    (
+        "delete",
+        "/api/v1/workers/{worker_id}",
+        "Unregister a worker",
+        None,
+        None,
+        {
+            "died": (
+                {"type": "integer", "minimum": 0, "maximum": 1},
+                "1: the worker process died and its warden ended its tasks (the reason "
+                "their jobs are given)",
+            ),
+        },
+    ),
     (
         "post",
         "/api/v1/workers/{worker_id}/heartbeat",

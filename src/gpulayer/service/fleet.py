@@ -18,6 +18,7 @@ from .. import defaults
 from ..errors import InvalidStateError, StoreError
 from ..ids import new_id
 from ..jobs import (
+    WORKER_STOPPED,
     CancelTask,
     Instruction,
     LogLine,
@@ -214,7 +215,7 @@ class Fleet(PlaneCore):
         return lost
 
     def unregister_worker(
-        self, worker_id: str, reason: str = "its worker stopped", *, said: bool = False
+        self, worker_id: str, reason: str = WORKER_STOPPED, *, said: bool = False
     ) -> None:
         """Detach a worker; jobs it still runs are retried or end lost.
 

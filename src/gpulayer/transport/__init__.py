@@ -92,7 +92,9 @@ class Transport(abc.ABC):
         """The worker is alive; a ``stopping`` one takes no more work."""
 
     @abc.abstractmethod
-    def unregister_worker(self, worker_id: str) -> None: ...
+    def unregister_worker(self, worker_id: str, *, died: bool = False) -> None:
+        """The worker leaves; the jobs it runs are retried or end lost. ``died``:
+        its process died and its warden ended those (the reason they are given)."""
 
     @abc.abstractmethod
     def acquire(self, worker_id: str, timeout: float) -> list[Instruction]: ...

@@ -459,9 +459,18 @@ class HttpTransport(Transport):
             registered = msgspec.json.decode(response.read(), type=WorkerInfo)
             return registered, response.getheader("X-GPUlayer-Generation")
 
-    def unregister_worker(self, worker_id: str) -> None:
-        with self._exchange("DELETE", f"/api/v1/workers/{_q(worker_id)}") as response:
-            response.read()
+    def unregister_worker(self, worker_id: str, *, died: bool = False) -> None:
+        query = {"died": 1} if died else None
+        try:
+            with self._exchange(
+                "DELETE", f"/api/v1/workers/{_q(worker_id)}", query=query
+            ) as response:
+                response.read()
+        except TransportError as exc:
+            if not died or exc.status != 422:
+                raise
+            # A server older than ``died`` refuses it: a plain goodbye then.
+            self.unregister_worker(worker_id)
 
     def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
         # Retried: the server may have closed an idle keep-alive connection.

@@ -8,7 +8,17 @@ from pathlib import Path
 
 from ..artifacts import ArtifactStore
 from ..errors import ArtifactError, ServerUnreachable, StoreError
-from ..jobs import Instruction, JobInfo, LogChunk, LogLine, TaskResult, TaskStarted, WorkerInfo
+from ..jobs import (
+    WORKER_DIED,
+    WORKER_STOPPED,
+    Instruction,
+    JobInfo,
+    LogChunk,
+    LogLine,
+    TaskResult,
+    TaskStarted,
+    WorkerInfo,
+)
 from ..service import ControlPlane
 from ..spec import JobSpec
 from . import Transport
@@ -78,9 +88,10 @@ class InProcessTransport(Transport):
     def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
         self.plane.heartbeat(worker_id, stopping=stopping)
 
-    def unregister_worker(self, worker_id: str) -> None:
+    def unregister_worker(self, worker_id: str, *, died: bool = False) -> None:
         with _store_unavailable():  # a stopping worker leaves anyway
-            self.plane.unregister_worker(worker_id, said=True)
+            reason = WORKER_DIED if died else WORKER_STOPPED
+            self.plane.unregister_worker(worker_id, reason, said=True)
 
     def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
         return self.plane.acquire(worker_id, timeout)

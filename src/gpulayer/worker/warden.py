@@ -31,6 +31,7 @@ import gc
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import WorkerError
@@ -40,7 +41,16 @@ from .ledger import Ledger, end_listed
 class Warden:
     """The forked warden of this worker process (see the module's doc)."""
 
-    def __init__(self, ledger: Ledger, *, grace: float) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        grace: float,
+        goodbye: Callable[[str], None] | None = None,
+    ) -> None:
+        """``goodbye(worker_id)``, run in the warden once it has ended what the
+        worker left, tells the control plane the worker is gone, on a
+        connection of its own (it is another process)."""
         if threading.active_count() > 1:
             # A fork copies only the calling thread: a lock another thread
             # held stays held in the child forever.
@@ -51,7 +61,7 @@ class Warden:
         if pid == 0:  # the warden; it never returns
             code = 0
             try:
-                _watch(read_end, ledger, grace, worker)
+                _watch(read_end, ledger, grace, worker, goodbye)
             except BaseException as exc:
                 _say(f"gpulayer: the warden of worker process {worker} failed: {exc!r}\n")
                 code = 1
@@ -80,7 +90,13 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, 0)
 
 
-def _watch(read_end: int, ledger: Ledger, grace: float, worker: int) -> None:
+def _watch(
+    read_end: int,
+    ledger: Ledger,
+    grace: float,
+    worker: int,
+    goodbye: Callable[[str], None] | None,
+) -> None:
     # Objects the worker made stay as they are: a cycle collected here could
     # close a descriptor whose number this process has since reused.
     gc.disable()
@@ -100,11 +116,37 @@ def _watch(read_end: int, ledger: Ledger, grace: float, worker: int) -> None:
                 os.close(fd)
     while os.read(read_end, 1):
         pass  # nothing is written: only the end counts
-    ended = end_listed(Path(ledger.dir), grace=grace)
+    if not ledger.dir.exists():
+        return  # the worker stopped, and tidied up: it has said goodbye itself
+    ended = end_listed(ledger.dir, grace=grace)
     if ended:
         _say(
             f"gpulayer: worker process {worker} is gone; its warden ended the "
             f"{ended} task process tree(s) it left running\n"
+        )
+    if goodbye is not None:
+        _say_goodbye(ledger.dir, goodbye)
+
+
+def _say_goodbye(ledger_dir: Path, goodbye: Callable[[str], None]) -> None:
+    """Tell the control plane the worker is gone, so that its jobs go
+    elsewhere now, not after the heartbeat timeout; unless results it kept
+    wait for the server (which would first take their tasks for lost: the
+    next worker on the home delivers them), or it never registered."""
+    if any(not name.startswith(".") for name in os.listdir(ledger_dir / "results")):
+        return
+    try:
+        worker_id = (ledger_dir / "worker-id").read_text().strip()
+    except FileNotFoundError:
+        return
+    if not worker_id:
+        return
+    try:
+        goodbye(worker_id)
+    except Exception as exc:
+        _say(
+            f"gpulayer: the warden could not tell the server that worker {worker_id} "
+            f"is gone ({exc}); the server finds out when its heartbeats stop\n"
         )
 
 

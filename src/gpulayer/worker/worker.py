@@ -75,6 +75,7 @@ class Worker:
         address: str | None = None,
         ledger: bool = False,
         warden: bool = False,
+        warden_goodbye: Callable[[str], None] | None = None,
         on_give_up: Callable[[], None] | None = None,
         gpu_claim: GpuClaim | None = None,
     ) -> None:
@@ -136,7 +137,7 @@ class Worker:
             if self._ledger is None:
                 raise WorkerError("a worker's warden ends what its ledger lists: ledger=True")
             try:
-                self._warden = Warden(self._ledger, grace=kill_grace)
+                self._warden = Warden(self._ledger, grace=kill_grace, goodbye=warden_goodbye)
             except BaseException:
                 self._ledger.close()
                 raise
