@@ -771,3 +771,58 @@ def test_a_dead_workers_goodbye_to_a_server_that_predates_died_is_a_plain_one() 
         httpd.shutdown()
         httpd.server_close()
     assert seen == ["/api/v1/workers/1m8worker00001?died=1", "/api/v1/workers/1m8worker00001"]
+
+
+def test_a_worker_stopped_while_registering_is_unregistered_by_its_warden(
+    tmp_path: Path,
+) -> None:
+    """A signal while the registration is on its way (the server may have
+    stored it, the reply not read yet): the worker exits at once, and its
+    warden unregisters the id it registered under, which the worker made
+    before sending, so no ghost of it waits out the heartbeat timeout."""
+    import http.server
+    import queue
+
+    registering: queue.Queue[str] = queue.Queue()
+    goodbyes: queue.Queue[str] = queue.Queue()
+    release = threading.Event()
+
+    class Stuck(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # the registration: read, never answered
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            registering.put(json.loads(body)["worker"]["id"])
+            release.wait(60)
+
+        def do_DELETE(self) -> None:
+            goodbyes.put(self.path)
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stuck)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    argv = [sys.executable, "-m", "gpulayer.cli", "--home", str(tmp_path / "w"), "--server", url]
+    worker = subprocess.Popen(
+        [*argv, "worker", "start", "--gpus", "none"],
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        worker_id = registering.get(timeout=60)
+        assert worker_id, "the worker names its id as it registers"
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 128 + signal.SIGTERM
+        assert goodbyes.get(timeout=30) == f"/api/v1/workers/{worker_id}?died=1"
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        assert worker.stderr is not None
+        worker.stderr.close()
+        release.set()
+        httpd.shutdown()
+        httpd.server_close()

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import WorkerError
+from ..errors import AccessDenied, ServerUnreachable, WorkerError
 from .ledger import Ledger, end_listed
 
 
@@ -143,6 +143,8 @@ def _say_goodbye(ledger_dir: Path, goodbye: Callable[[str], None]) -> None:
         return
     try:
         goodbye(worker_id)
+    except (ServerUnreachable, AccessDenied):
+        pass  # it finds out when the heartbeats stop; or the token that could tell is gone
     except Exception as exc:
         _say(
             f"gpulayer: the warden could not tell the server that worker {worker_id} "

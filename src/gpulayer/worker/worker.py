@@ -35,6 +35,7 @@ from ..errors import (
     UntrustedServer,
     WorkerError,
 )
+from ..ids import new_id
 from ..jobs import CancelTask, Instruction, Rendezvous, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
 from .gpulocks import GpuClaim, claim_gpus
@@ -244,9 +245,14 @@ class Worker:
                 # Come back as the dead worker: the server learns at once
                 # that its tasks are gone, not after the heartbeat timeout.
                 self.info.id, adopted = previous, True
-                # Should this process die before it registers, the next one
-                # adopts the id in turn.
-                self._ledger.set_worker_id(previous)
+            elif not self.info.id:
+                # Made here rather than by the server: should this process
+                # die with its registration on its way (a signal, say), its
+                # warden can still say it is gone.
+                self.info.id = new_id()
+            # Should this process die before it registers, the next one
+            # adopts the id in turn.
+            self._ledger.set_worker_id(self.info.id)
             self._deliver_kept(self._ledger)
         self.info = self.transport.register_worker(self.info, adopted=adopted)
         self._registered = True
