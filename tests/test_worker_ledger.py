@@ -518,3 +518,26 @@ def test_a_warden_needs_a_ledger(home: Path) -> None:
             Worker(embedded.transport, cache=embedded.artifacts, work_dir=home / "w", warden=True)
     finally:
         embedded.close()
+
+
+def test_a_wardens_goodbye_has_a_deadline_however_slow_the_server(tmp_path: Path) -> None:
+    """The warden holds the dead worker's ledger lock, which the next worker
+    on the home waits for: a goodbye to a server that answers byte by byte
+    (or a name lookup that hangs) ends at the deadline, with the warden."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, threading\n"
+        "from pathlib import Path\n"
+        "from gpulayer import defaults\n"
+        "defaults.WARDEN_GOODBYE_TIMEOUT_S = 0.2\n"
+        "from gpulayer.worker import warden\n"
+        "ledger = Path(sys.argv[1])\n"
+        "(ledger / 'results').mkdir(parents=True)\n"
+        "(ledger / 'worker-id').write_text('1m8worker00001')\n"
+        "warden._say_goodbye(ledger, lambda worker_id: threading.Event().wait())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ledger")], timeout=60)
+    assert done.returncode == -signal.SIGALRM

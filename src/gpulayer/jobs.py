@@ -22,7 +22,7 @@ FINAL_STATES = frozenset({SUCCEEDED, FAILED, CANCELLED, TIMED_OUT, LOST})
 
 # Why a worker's running jobs were taken from it, when it left the control plane.
 WORKER_STOPPED = "its worker stopped"
-WORKER_DIED = "its worker process died, and its warden ended the task"
+WORKER_DIED = "its worker process died"
 
 # The moments in a job's life, in order; `timings` are the gaps between them.
 MARKS = ("submitted", "placed", "acquired", "prepared", "started", "exited", "finished")

@@ -107,26 +107,33 @@ class ServerProc:
         name: str = "w",
         token: str | None = None,
         gpus: str = "none",  # CPU workers by default: the same on a machine with GPUs
+        kill_grace: float = 0.5,
+        shell: str | None = None,
     ) -> subprocess.Popen[str]:
+        """``shell``: redirections for ``sh`` to apply (``"<&- >&-"`` closes
+        stdin and stdout)."""
         env = {**os.environ, "GPULAYER_TOKEN": token or self.admin}
         sizing = ["--gpus", gpus] + (["--slots", str(slots)] if gpus == "none" else [])
+        argv = [
+            sys.executable,
+            "-m",
+            "gpulayer.cli",
+            "--home",
+            str(home),
+            "--server",
+            self.url,
+            "worker",
+            "start",
+            *sizing,
+            "--name",
+            name,
+            "--kill-grace",
+            str(kill_grace),
+        ]
+        if shell is not None:
+            argv = ["sh", "-c", f'exec "$@" {shell}', "sh", *argv]
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpulayer.cli",
-                "--home",
-                str(home),
-                "--server",
-                self.url,
-                "worker",
-                "start",
-                *sizing,
-                "--name",
-                name,
-                "--kill-grace",
-                "0.5",
-            ],
+            argv,
             env=env,
             stdin=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

@@ -826,3 +826,54 @@ def test_a_worker_stopped_while_registering_is_unregistered_by_its_warden(
         release.set()
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_a_worker_started_with_stdin_and_stdout_closed_still_has_a_warden(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    """With 0 and 1 closed, the ledger's lock or the warden's pipe would be
+    made on them, and the warden's /dev/null put over them: a warden with
+    no lock, or one that read end-of-file at once and left."""
+    doomed = server.start_worker(tmp_path / "w", shell="<&- >&-")
+    warden = _warden_of(doomed)
+    assert [f.path for f in warden.open_files() if f.path.endswith("/lock")], "it holds the lock"
+    with server.client() as client:
+        job = client.submit(
+            command=[
+                PY,
+                "-c",
+                "import os, time; print('pid', os.getpid(), flush=True); time.sleep(600)",
+            ]
+        )
+        pid = int(follow_until(job, "pid").split()[1])
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        warden.wait(timeout=30)
+        assert pids_alive(pid) == []
+
+
+def test_the_next_worker_on_the_home_waits_for_a_dead_workers_warden(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    """Started while the dead worker's warden still ends a task that ignores
+    SIGTERM (or says goodbye), the next worker waits for it and then takes
+    the dead worker's ledger over (its id, its kept results): skipped, they
+    would wait for a later worker process."""
+    doomed = server.start_worker(tmp_path / "w", name="doomed", kill_grace=5.0)
+    warden = _warden_of(doomed)
+    code = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('pid', os.getpid(), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    with server.client() as client:
+        job = client.submit(command=[PY, "-c", code])
+        pid = int(follow_until(job, "pid").split()[1])
+        old_worker = job.refresh().worker
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        server.start_worker(tmp_path / "w", name="heir")
+        assert pids_alive(warden.pid, pid) == []  # a zombie is gone enough
+        assert {w.id for w in client.workers()} == {old_worker}, "the heir took the id over"
+        assert job.refresh().reason == WORKER_DIED

@@ -41,15 +41,20 @@ import os
 import secrets
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import msgspec
 
+from .. import defaults
 from ..home import take_lock
 from ..jobs import LogLine, TaskResult
-from .process import kill_orphans
+from .process import KILL_WAIT_S, kill_orphans
 
 log = logging.getLogger(__name__)
+
+
+_LOCK_POLL_S = 0.05  # how often a dead worker's ledger lock is tried while its warden works
 
 
 class Kept(msgspec.Struct):
@@ -88,6 +93,11 @@ class Ledger:
             if other == self.dir or other.name.startswith("."):
                 continue
             fd = take_lock(other / "lock", create=False)
+            if fd is None and _owner_gone(other.name):
+                # Its worker is dead, and its warden (warden.py) is ending
+                # what it left, or saying goodbye. Skipped, its results and
+                # its id would wait for a later worker process: waited for.
+                fd = _lock_when_free(other, _warden_time(other, grace))
             if fd is None:
                 continue  # a live worker's (another worker process on this home)
             try:
@@ -238,6 +248,41 @@ def _sync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _owner_gone(name: str) -> bool:
+    """Whether the process that made the ledger ``name`` ("<pid>-<random>")
+    has ended (a zombie has). A pid used again since reads as alive."""
+    import psutil
+
+    try:
+        return psutil.Process(int(name.split("-")[0])).status() == psutil.STATUS_ZOMBIE
+    except ValueError:
+        return False  # not a ledger's name
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.AccessDenied:
+        return False
+
+
+def _warden_time(ledger_dir: Path, grace: float) -> float:
+    """The longest a dead worker's warden may take: each process tree its
+    ledger lists ended in turn (SIGTERM, ``grace``, SIGKILL), then its goodbye."""
+    trees = sum(len(_read(record)) for record in (ledger_dir / "tasks").glob("*"))
+    return trees * (grace + KILL_WAIT_S + 1.0) + defaults.WARDEN_GOODBYE_TIMEOUT_S + 2.0
+
+
+def _lock_when_free(ledger_dir: Path, within: float) -> int | None:
+    """The ledger's lock, once its holder lets it go, within ``within`` s."""
+    log.info("waiting up to %.0f s for the warden of %s to finish", within, ledger_dir.name)
+    deadline = time.monotonic() + within
+    while True:
+        fd = take_lock(ledger_dir / "lock", create=False)
+        if fd is not None or time.monotonic() >= deadline:
+            if fd is None:
+                log.warning("the warden of %s did not finish in %.0f s", ledger_dir.name, within)
+            return fd
+        time.sleep(_LOCK_POLL_S)  # flock has no timeout: polled
 
 
 def end_listed(ledger_dir: Path, *, grace: float) -> int:

@@ -12,16 +12,20 @@ process that only waits on a pipe whose one writer is the worker, and never
 written to. The pipe reads end-of-file once the worker is gone, however it
 went. The warden then ends every process tree the worker's ledger lists as
 running (still the same process: pid and start time agree), says so on the
-worker's stderr, and exits. A worker that stopped normally ended its tasks
-and blanked their records first: its warden finds nothing to end.
+worker's stderr, unregisters the worker (so its jobs go elsewhere now, not
+after the heartbeat timeout), and exits. A worker that stopped normally
+removed its ledger: its warden does nothing. One whose task outlived the
+stop's wait left it: the warden ends that task.
 
 The warden holds the ledger's lock as the worker did (it inherits the
-descriptor), so the next worker process on the home does not take the
-ledger over while its processes are being ended; it then finds them gone.
-It ignores the signals a terminal or a service manager sends to the
-worker's whole process group: the worker handles those, and the warden goes
-when the worker does. It takes no lock and starts no thread: what it runs
-in the forked child is its own.
+descriptor). A next worker process started on the home meanwhile waits for
+it (see Ledger.recover), then takes the ledger over: the dead worker's id,
+and the results it kept. So the warden's work is bounded: the trees in
+turn, each given the kill grace, and the goodbye a deadline (an alarm, which
+ends the warden). It ignores the signals a terminal or a service manager
+sends to the worker's whole process group: the worker handles those, and
+the warden goes when the worker does. It takes no lock and starts no
+thread: what it runs in the forked child is its own.
 """
 
 from __future__ import annotations
@@ -34,8 +38,13 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from .. import defaults
 from ..errors import AccessDenied, ServerUnreachable, WorkerError
 from .ledger import Ledger, end_listed
+
+# Sent to a worker's whole process group by a terminal or a service manager:
+# the worker handles them, and the warden leaves when it does.
+_IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 
 
 class Warden:
@@ -56,17 +65,28 @@ class Warden:
             # held stays held in the child forever.
             raise WorkerError("a worker's warden is forked before the worker starts any thread")
         read_end, write_end = os.pipe()
+        if min(read_end, ledger.lock_fd) <= 2:
+            # The warden puts /dev/null on 0 and 1: they would go.
+            raise WorkerError(
+                "a worker's warden needs stdin, stdout and stderr open (see open_stdio)"
+            )
         worker = os.getpid()
-        pid = os.fork()
-        if pid == 0:  # the warden; it never returns
-            code = 0
-            try:
-                _watch(read_end, ledger, grace, worker, goodbye)
-            except BaseException as exc:
-                _say(f"gpulayer: the warden of worker process {worker} failed: {exc!r}\n")
-                code = 1
-            finally:
-                os._exit(code)
+        # Until the warden ignores them: a Ctrl-C now must not run the
+        # worker's handler in it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _IGNORED)
+        try:
+            pid = os.fork()
+            if pid == 0:  # the warden; it never returns
+                code = 0
+                try:
+                    _watch(read_end, ledger, grace, worker, goodbye)
+                except BaseException as exc:
+                    _say(f"gpulayer: the warden of worker process {worker} failed: {exc!r}\n")
+                    code = 1
+                finally:
+                    os._exit(code)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED)
         os.close(read_end)
         self.pid = pid
         self._write_end: int | None = write_end
@@ -85,6 +105,18 @@ class Warden:
         ).start()
 
 
+def open_stdio() -> None:
+    """Open /dev/null on whichever of descriptors 0, 1 and 2 is closed, so
+    that those made from now on (the ledger's lock, the warden's pipe) are
+    not among them: the warden puts /dev/null on 0 and 1, and writes to 2."""
+    while True:
+        fd = os.open(os.devnull, os.O_RDWR)
+        if fd > 2:
+            os.close(fd)
+            return
+        os.set_inheritable(fd, True)
+
+
 def _reap(pid: int) -> None:
     with contextlib.suppress(ChildProcessError):  # reaped already
         os.waitpid(pid, 0)
@@ -100,8 +132,9 @@ def _watch(
     # Objects the worker made stay as they are: a cycle collected here could
     # close a descriptor whose number this process has since reused.
     gc.disable()
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    for signum in _IGNORED:
         signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED)
     # Only the pipe, the ledger's lock and stderr stay open: no reader of the
     # worker's stdout, nor the server, waits on the warden.
     null = os.open(os.devnull, os.O_RDWR)
@@ -133,14 +166,18 @@ def _say_goodbye(ledger_dir: Path, goodbye: Callable[[str], None]) -> None:
     elsewhere now, not after the heartbeat timeout; unless results it kept
     wait for the server (which would first take their tasks for lost: the
     next worker on the home delivers them), or it never registered."""
-    if any(not name.startswith(".") for name in os.listdir(ledger_dir / "results")):
-        return
     try:
+        if any(not name.startswith(".") for name in os.listdir(ledger_dir / "results")):
+            return
         worker_id = (ledger_dir / "worker-id").read_text().strip()
-    except FileNotFoundError:
+    except FileNotFoundError:  # the worker was removing its ledger as it stopped
         return
     if not worker_id:
         return
+    # However slow the server (or the name lookup): the warden holds the
+    # ledger's lock, which the next worker process on the home waits for.
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the end of the warden
+    signal.setitimer(signal.ITIMER_REAL, defaults.WARDEN_GOODBYE_TIMEOUT_S)
     try:
         goodbye(worker_id)
     except (ServerUnreachable, AccessDenied):

@@ -45,7 +45,7 @@ from .ledger import Kept, Ledger
 from .logs import LogSender, in_batches
 from .outbox import Outbox
 from .task import TaskRun
-from .warden import Warden
+from .warden import Warden, open_stdio
 from .workspace import make_spare, reuse_if_empty
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,8 @@ class Worker:
         self._dir_numbers = itertools.count(1)
         # A worker process of its own keeps a ledger of its tasks' processes,
         # for the next one on this home to end if it dies (see ledger.py).
+        if warden:
+            open_stdio()  # before the ledger's lock and the warden's pipe are made
         self._ledger = Ledger(work_dir) if ledger else None
         # And forks a warden that ends them as soon as it dies (warden.py):
         # here, before the worker has a thread.
