@@ -4,8 +4,11 @@ its home when its tasks could not all be ended."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -541,3 +544,128 @@ def test_a_wardens_goodbye_has_a_deadline_however_slow_the_server(tmp_path: Path
     )
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ledger")], timeout=60)
     assert done.returncode == -signal.SIGALRM
+
+
+_TERMED = (
+    "import signal, sys, time\n"
+    "def noted(*_):\n"
+    "    with open(sys.argv[1], 'w') as f:\n"
+    "        f.write(repr(time.time()))\n"
+    "signal.signal(signal.SIGTERM, noted)\n"
+    "print('ready', flush=True)\n"
+    "while True:\n"
+    "    time.sleep(60)\n"
+)
+
+
+def test_a_dead_workers_trees_get_their_sigterm_together(tmp_path: Path) -> None:
+    """One after the other, the last tree would get its SIGTERM only after
+    the others' graces (80 s for eight stubborn tasks at the default)."""
+    from gpulayer.worker.ledger import end_listed
+    from gpulayer.worker.process import spawn
+
+    ledger = Ledger(tmp_path / "work")
+    procs = []
+    for i in range(3):
+        at = time.time()
+        proc = spawn(
+            [PY, "-c", _TERMED, str(tmp_path / f"termed-{i}")], cwd=tmp_path, env=os.environ
+        )
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        ledger.record(f"job{i}-1", [(proc.pid, at)])
+        procs.append(proc)
+    try:
+        assert end_listed(ledger.dir, grace=1.0) == 3
+        termed = [float((tmp_path / f"termed-{i}").read_text()) for i in range(3)]
+        assert max(termed) - min(termed) < 0.5, termed  # a grace (1 s) apart, one by one
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+            for pipe in (proc.stdout, proc.stderr):
+                assert pipe is not None
+                pipe.close()
+        ledger.close()
+
+
+def _held_elsewhere(lock: Path) -> subprocess.Popen[str]:
+    """A process holding ``lock`` until its stdin closes."""
+    holder = subprocess.Popen(
+        [PY, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()", str(lock)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    return holder
+
+
+def _dead_ledger(work: Path, worker_id: str) -> Path:
+    """A ledger as a worker that died left it: named after a pid no process has."""
+    dead = Ledger(work)
+    dead.set_worker_id(worker_id)
+    os.close(dead.lock_fd)
+    gone = dead.dir.with_name(f"{2**22 + 1}-{dead.dir.name.split('-')[1]}")  # past pid_max
+    dead.dir.rename(gone)
+    return gone
+
+
+def test_a_ledger_locked_by_a_live_process_is_passed_over_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A live worker whose pid is not seen from here (another pid namespace
+    on a shared home) holds its ledger's lock with no warden's mark: the
+    next worker does not wait for it, nor take it over."""
+    work = tmp_path / "work"
+    other = _dead_ledger(work, "1m8otherworker")
+    holder = _held_elsewhere(other / "lock")
+    heir = Ledger(work)
+    try:
+        with caplog.at_level(logging.INFO, logger="gpulayer.worker.ledger"):
+            assert heir.recover(grace=0.5) is None
+        assert not [r for r in caplog.records if "warden" in r.getMessage()]
+        assert other.exists()
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait()
+        assert holder.stdout is not None
+        holder.stdout.close()
+        heir.close()
+
+
+def test_the_next_worker_waits_for_a_warden_that_marked_its_work(tmp_path: Path) -> None:
+    """Its warden holds a dead worker's ledger while it ends its tasks: the
+    next worker waits for it (as long as it said it could take), then takes
+    the ledger over."""
+    from gpulayer.worker.ledger import mark_ending
+
+    work = tmp_path / "work"
+    dead = _dead_ledger(work, "1m8deadworker0")
+    holder = _held_elsewhere(dead / "lock")
+    mark_ending(dead, time.time() + 60)
+
+    class LetGo(logging.Handler):  # the moment the heir waits: the warden is done
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting for the warden" in record.getMessage():
+                assert holder.stdin is not None
+                holder.stdin.close()
+
+    heir = Ledger(work)
+    handler = LetGo()
+    logger = logging.getLogger("gpulayer.worker.ledger")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        assert heir.recover(grace=0.5) == "1m8deadworker0"
+        assert not dead.exists()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        if holder.poll() is None:
+            assert holder.stdin is not None
+            holder.stdin.close()
+        holder.wait()
+        assert holder.stdout is not None
+        holder.stdout.close()
+        heir.close()

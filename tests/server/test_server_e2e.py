@@ -877,3 +877,34 @@ def test_the_next_worker_on_the_home_waits_for_a_dead_workers_warden(
         assert pids_alive(warden.pid, pid) == []  # a zombie is gone enough
         assert {w.id for w in client.workers()} == {old_worker}, "the heir took the id over"
         assert job.refresh().reason == WORKER_DIED
+
+
+@pytest.mark.usefixtures("three_gpus")
+def test_a_killed_workers_gpus_stay_claimed_until_its_tasks_are_gone(
+    server: ServerProc, tmp_path: Path
+) -> None:
+    """The GPU claims end with the worker's process, but a task that ignores
+    SIGTERM uses its GPU until the warden's SIGKILL: the warden holds the
+    claims till then, so no worker offers that GPU meanwhile."""
+    from gpulayer.worker.gpulocks import unclaimed
+    from gpulayer.worker.gpus import detect_gpus
+
+    gpus = detect_gpus()
+    doomed = server.start_worker(tmp_path / "w", name="doomed", gpus="0", kill_grace=3.0)
+    warden = _warden_of(doomed)
+    code = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('pid', os.getpid(), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    with server.client() as client:
+        job = client.submit(command=[PY, "-c", code], gpus=1)
+        pid = int(follow_until(job, "pid").split()[1])
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        assert pids_alive(pid) == [pid]  # in its grace: it ignored the SIGTERM
+        assert [g.index for g in unclaimed(gpus)] == [1, 2]
+        warden.wait(timeout=30)
+        assert pids_alive(pid) == []
+        assert [g.index for g in unclaimed(gpus)] == [0, 1, 2]

@@ -46,15 +46,16 @@ from pathlib import Path
 
 import msgspec
 
-from .. import defaults
 from ..home import take_lock
 from ..jobs import LogLine, TaskResult
-from .process import KILL_WAIT_S, kill_orphans
+from .process import end_orphans
 
 log = logging.getLogger(__name__)
 
 
+_ENDING = "ending"  # a dead worker's warden is at work on its ledger until then
 _LOCK_POLL_S = 0.05  # how often a dead worker's ledger lock is tried while its warden works
+_LATE_S = 1.0  # how long past its own deadline a warden is waited for
 
 
 class Kept(msgspec.Struct):
@@ -93,11 +94,12 @@ class Ledger:
             if other == self.dir or other.name.startswith("."):
                 continue
             fd = take_lock(other / "lock", create=False)
-            if fd is None and _owner_gone(other.name):
+            until = _ending(other) if fd is None else None
+            if until is not None:
                 # Its worker is dead, and its warden (warden.py) is ending
                 # what it left, or saying goodbye. Skipped, its results and
                 # its id would wait for a later worker process: waited for.
-                fd = _lock_when_free(other, _warden_time(other, grace))
+                fd = _lock_when_free(other, until)
             if fd is None:
                 continue  # a live worker's (another worker process on this home)
             try:
@@ -250,49 +252,46 @@ def _sync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _owner_gone(name: str) -> bool:
-    """Whether the process that made the ledger ``name`` ("<pid>-<random>")
-    has ended (a zombie has). A pid used again since reads as alive."""
-    import psutil
+def mark_ending(ledger_dir: Path, until: float) -> None:
+    """A dead worker's warden says it is at work on the ledger until
+    ``until`` (``time.time()``), for a next worker process to wait for it."""
+    temporary = ledger_dir / ".ending"
+    temporary.write_text(repr(until))
+    os.replace(temporary, ledger_dir / _ENDING)
 
+
+def _ending(ledger_dir: Path) -> float | None:
+    """Until when a dead worker's warden said it would be at work on the
+    ledger, if it did."""
     try:
-        return psutil.Process(int(name.split("-")[0])).status() == psutil.STATUS_ZOMBIE
-    except ValueError:
-        return False  # not a ledger's name
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.AccessDenied:
-        return False
+        return float((ledger_dir / _ENDING).read_text())
+    except (OSError, ValueError):
+        return None
 
 
-def _warden_time(ledger_dir: Path, grace: float) -> float:
-    """The longest a dead worker's warden may take: each process tree its
-    ledger lists ended in turn (SIGTERM, ``grace``, SIGKILL), then its goodbye."""
-    trees = sum(len(_read(record)) for record in (ledger_dir / "tasks").glob("*"))
-    return trees * (grace + KILL_WAIT_S + 1.0) + defaults.WARDEN_GOODBYE_TIMEOUT_S + 2.0
-
-
-def _lock_when_free(ledger_dir: Path, within: float) -> int | None:
-    """The ledger's lock, once its holder lets it go, within ``within`` s."""
-    log.info("waiting up to %.0f s for the warden of %s to finish", within, ledger_dir.name)
-    deadline = time.monotonic() + within
+def _lock_when_free(ledger_dir: Path, until: float) -> int | None:
+    """The ledger's lock, once its warden lets it go, if that is by ``until``."""
+    log.info("waiting for the warden of dead worker %s to finish", ledger_dir.name)
     while True:
         fd = take_lock(ledger_dir / "lock", create=False)
-        if fd is not None or time.monotonic() >= deadline:
-            if fd is None:
-                log.warning("the warden of %s did not finish in %.0f s", ledger_dir.name, within)
+        if fd is not None:
             return fd
+        if time.time() >= until + _LATE_S:
+            log.warning("the warden of dead worker %s did not finish in time", ledger_dir.name)
+            return None
         time.sleep(_LOCK_POLL_S)  # flock has no timeout: polled
 
 
 def end_listed(ledger_dir: Path, *, grace: float) -> int:
     """End the process trees a dead worker's ledger lists as running (each
     still the same process: pid and start time agree); how many there were."""
-    ended = 0
-    for record in (ledger_dir / "tasks").glob("*"):
-        for pid, created in _read(record):
-            ended += kill_orphans(pid, created, grace=grace)
-    return ended
+    listed = listed_tasks(ledger_dir)
+    return end_orphans(listed, grace=grace) if listed else 0
+
+
+def listed_tasks(ledger_dir: Path) -> list[tuple[int, float]]:
+    """The processes a ledger lists as running: (pid, start time) each."""
+    return [entry for record in (ledger_dir / "tasks").glob("*") for entry in _read(record)]
 
 
 def _result_name(result: TaskResult) -> str:

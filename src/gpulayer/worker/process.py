@@ -130,21 +130,35 @@ def kill_orphans(pid: int, create_time: float, *, grace: float) -> bool:
     still there (a different process on a reused pid does not count) and its
     tree has now been ended; False if it was gone.
     """
+    return end_orphans([(pid, create_time)], grace=grace) == 1
+
+
+def end_orphans(listed: Sequence[tuple[int, float]], *, grace: float) -> int:
+    """:func:`kill_orphans` for several trees at once: each gets SIGTERM
+    together, then the one ``grace``, then SIGKILL; one in turn after the
+    other would give the last SIGTERM only after the others' graces. How
+    many were still there."""
     import psutil
 
-    try:
-        root = psutil.Process(pid)
-        started = root.create_time()
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        logger.warning("cannot inspect pid %d (another user's?); left alone", pid)
-        return False
-    if abs(started - create_time) > CREATE_TIME_TOLERANCE_S:
-        logger.debug("pid %d was reused (started %.3f, expected %.3f)", pid, started, create_time)
-        return False
-    _terminate(root, _own_group(pid, root, trusted=False), grace)
-    return True
+    trees: list[tuple[psutil.Process, int | None]] = []
+    for pid, create_time in listed:
+        try:
+            root = psutil.Process(pid)
+            started = root.create_time()
+        except psutil.NoSuchProcess:
+            continue
+        except psutil.AccessDenied:
+            logger.warning("cannot inspect pid %d (another user's?); left alone", pid)
+            continue
+        if abs(started - create_time) > CREATE_TIME_TOLERANCE_S:
+            logger.debug(
+                "pid %d was reused (started %.3f, expected %.3f)", pid, started, create_time
+            )
+            continue
+        trees.append((root, _own_group(pid, root, trusted=False)))
+    if trees:
+        _terminate_all(trees, grace)
+    return len(trees)
 
 
 def _own_group(pid: int, root: psutil.Process | None, *, trusted: bool) -> int | None:
@@ -163,38 +177,46 @@ def _own_group(pid: int, root: psutil.Process | None, *, trusted: bool) -> int |
 
 def _terminate(root: psutil.Process | None, pgid: int | None, grace: float) -> None:
     """SIGTERM, wait up to ``grace``, SIGKILL; ``root`` and ``pgid`` may be gone."""
-    # 1. Read the tree before any signal changes it: the root, the members of
-    # its group (orphans whose parent already left included) and all their
-    # descendants, wherever they moved.
-    procs = _with_descendants(([root] if root is not None else []) + _group_members(pgid))
-    # 2. One SIGTERM each: the group at once, then those that left it.
-    in_group = _signal_group(pgid, signal.SIGTERM)
-    _signal_each(procs, signal.SIGTERM, skip_group=pgid if in_group else None)
+    _terminate_all([(root, pgid)], grace)
+
+
+def _terminate_all(trees: Sequence[tuple[psutil.Process | None, int | None]], grace: float) -> None:
+    """:func:`_terminate` for several trees, all at once (one grace for all)."""
+    groups = {pgid for _, pgid in trees if pgid is not None}
+    roots = [root for root, _ in trees if root is not None]
+    # 1. Read the trees before any signal changes them: the roots, the
+    # members of their groups (orphans whose parent already left included)
+    # and all their descendants, wherever they moved.
+    procs = _with_descendants(roots + _group_members(groups))
+    # 2. One SIGTERM each: the groups at once, then those that left them.
+    signalled = {pgid for pgid in groups if _signal_group(pgid, signal.SIGTERM)}
+    _signal_each(procs, signal.SIGTERM, skip_groups=signalled)
     # 3. Let them shut down.
     alive = _wait_exited(procs, grace)
     # 4. SIGKILL what is left, including processes born during the grace
-    # period (found again in the group and under the survivors).
-    alive = _with_descendants(alive + _group_members(pgid))
-    _signal_group(pgid, signal.SIGKILL)
-    _signal_each(alive, signal.SIGKILL, skip_group=None)
+    # period (found again in the groups and under the survivors).
+    alive = _with_descendants(alive + _group_members(groups))
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGKILL)
+    _signal_each(alive, signal.SIGKILL, skip_groups=set())
     stuck = _wait_exited(alive, KILL_WAIT_S)
     if stuck:
         logger.warning("processes survived SIGKILL: %s", sorted(p.pid for p in stuck))
 
 
-def _group_members(pgid: int | None) -> list[psutil.Process]:
+def _group_members(pgids: set[int]) -> list[psutil.Process]:
     import psutil
 
-    if pgid is None:
+    if not pgids:
         return []
     members = []
     for pid in psutil.pids():
         try:
-            if os.getpgid(pid) != pgid:
+            if os.getpgid(pid) not in pgids:
                 continue
             proc = psutil.Process(pid)
             # The pid may have been reused between the two calls.
-            if os.getpgid(pid) == pgid:
+            if os.getpgid(pid) in pgids:
                 members.append(proc)
         except (ProcessLookupError, psutil.NoSuchProcess):
             continue
@@ -227,14 +249,14 @@ def _signal_group(pgid: int | None, sig: signal.Signals) -> bool:
 
 
 def _signal_each(
-    procs: Iterable[psutil.Process], sig: signal.Signals, skip_group: int | None
+    procs: Iterable[psutil.Process], sig: signal.Signals, skip_groups: set[int]
 ) -> None:
-    """Signal each process, skipping members of ``skip_group`` (already signalled)."""
+    """Signal each process, skipping members of ``skip_groups`` (already signalled)."""
     import psutil
 
     for proc in procs:
         try:
-            if skip_group is not None and os.getpgid(proc.pid) == skip_group:
+            if skip_groups and os.getpgid(proc.pid) in skip_groups:
                 continue
             # psutil checks the start time first, so a reused pid is left alone.
             proc.send_signal(sig)

@@ -35,12 +35,15 @@ import gc
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from .. import defaults
 from ..errors import AccessDenied, ServerUnreachable, WorkerError
-from .ledger import Ledger, end_listed
+from .gpulocks import GpuClaim
+from .ledger import Ledger, listed_tasks, mark_ending
+from .process import KILL_WAIT_S, end_orphans
 
 # Sent to a worker's whole process group by a terminal or a service manager:
 # the worker handles them, and the warden leaves when it does.
@@ -56,10 +59,12 @@ class Warden:
         *,
         grace: float,
         goodbye: Callable[[str], None] | None = None,
+        claim: GpuClaim | None = None,
     ) -> None:
         """``goodbye(worker_id)``, run in the warden once it has ended what the
         worker left, tells the control plane the worker is gone, on a
-        connection of its own (it is another process)."""
+        connection of its own (it is another process). The GPUs of ``claim``
+        stay claimed until those tasks are gone, should the worker die."""
         if threading.active_count() > 1:
             # A fork copies only the calling thread: a lock another thread
             # held stays held in the child forever.
@@ -71,22 +76,25 @@ class Warden:
                 "a worker's warden needs stdin, stdout and stderr open (see open_stdio)"
             )
         worker = os.getpid()
+        claims = [] if claim is None else claim.handover()
         # Until the warden ignores them: a Ctrl-C now must not run the
         # worker's handler in it.
-        signal.pthread_sigmask(signal.SIG_BLOCK, _IGNORED)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _IGNORED)
         try:
             pid = os.fork()
             if pid == 0:  # the warden; it never returns
                 code = 0
                 try:
-                    _watch(read_end, ledger, grace, worker, goodbye)
+                    _watch(read_end, ledger, grace, worker, goodbye, claims, mask)
                 except BaseException as exc:
                     _say(f"gpulayer: the warden of worker process {worker} failed: {exc!r}\n")
                     code = 1
                 finally:
                     os._exit(code)
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            for fd in claims:  # the warden's copies
+                os.close(fd)
         os.close(read_end)
         self.pid = pid
         self._write_end: int | None = write_end
@@ -128,21 +136,24 @@ def _watch(
     grace: float,
     worker: int,
     goodbye: Callable[[str], None] | None,
+    claims: list[int],
+    mask: set[int | signal.Signals],
 ) -> None:
     # Objects the worker made stay as they are: a cycle collected here could
     # close a descriptor whose number this process has since reused.
     gc.disable()
     for signum in _IGNORED:
         signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED)
-    # Only the pipe, the ledger's lock and stderr stay open: no reader of the
-    # worker's stdout, nor the server, waits on the warden.
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    # Only the pipe, the ledger's lock, the GPU claims' copies and stderr
+    # stay open: no reader of the worker's stdout, nor the server, waits on
+    # the warden.
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)
     if null > 2:
         os.close(null)
-    keep = {0, 1, 2, read_end, ledger.lock_fd}
+    keep = {0, 1, 2, read_end, ledger.lock_fd, *claims}
     for fd in _open_fds():
         if fd not in keep:
             with contextlib.suppress(OSError):  # the listing's own, closed already
@@ -151,7 +162,12 @@ def _watch(
         pass  # nothing is written: only the end counts
     if not ledger.dir.exists():
         return  # the worker stopped, and tidied up: it has said goodbye itself
-    ended = end_listed(ledger.dir, grace=grace)
+    # A next worker process on the home waits for the warden until then.
+    mark_ending(ledger.dir, time.time() + grace + KILL_WAIT_S + defaults.WARDEN_GOODBYE_TIMEOUT_S)
+    listed = listed_tasks(ledger.dir)
+    ended = end_orphans(listed, grace=grace) if listed else 0
+    for fd in claims:  # the tasks that used the GPUs are gone
+        os.close(fd)
     if ended:
         _say(
             f"gpulayer: worker process {worker} is gone; its warden ended the "

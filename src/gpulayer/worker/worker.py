@@ -128,22 +128,36 @@ class Worker:
         # would hand it to every reader of its logs.
         self._base_env.pop(b"GPULAYER_TOKEN", None)
         self._dir_numbers = itertools.count(1)
-        # A worker process of its own keeps a ledger of its tasks' processes,
-        # for the next one on this home to end if it dies (see ledger.py).
+        if warden and not ledger:
+            raise WorkerError("a worker's warden ends what its ledger lists: ledger=True")
         if warden:
             open_stdio()  # before the ledger's lock and the warden's pipe are made
+        # A worker process of its own keeps a ledger of its tasks' processes,
+        # for the next one on this home to end if it dies (see ledger.py).
         self._ledger = Ledger(work_dir) if ledger else None
-        # And forks a warden that ends them as soon as it dies (warden.py):
-        # here, before the worker has a thread.
         self._warden: Warden | None = None
-        if warden:
-            if self._ledger is None:
-                raise WorkerError("a worker's warden ends what its ledger lists: ledger=True")
-            try:
-                self._warden = Warden(self._ledger, grace=kill_grace, goodbye=warden_goodbye)
-            except BaseException:
+        try:
+            # Machine-wide: no other worker, however started, offers these
+            # GPUs while this one does (see gpulocks.py).
+            if gpu_claim is not None and gpu_claim.gpus != self.gpus:
+                raise WorkerError("a worker offers exactly the GPUs of the claim it is given")
+            self._claim = gpu_claim or claim_gpus(self.gpus)
+            if warden:
+                assert self._ledger is not None
+                # It ends the tasks as soon as the worker dies (warden.py):
+                # forked here, before the worker has a thread.
+                try:
+                    self._warden = Warden(
+                        self._ledger, grace=kill_grace, goodbye=warden_goodbye, claim=self._claim
+                    )
+                except BaseException:
+                    if gpu_claim is None:  # its own: let go of it
+                        self._claim.release()
+                    raise
+        except BaseException:
+            if self._ledger is not None:
                 self._ledger.close()
-                raise
+            raise
         self._interface: str | None = None  # of its advertised address (launch.py)
         # Held while registering again, and while a finished report's reply
         # is acted on (see _finish); re-entrant: a task handed back as the
@@ -155,20 +169,7 @@ class Worker:
         self.tasks_dir: Path | None = None  # once registered: its tasks' folders
         self._stop_lock = threading.Lock()
         self._stopped = False
-        self._logs = LogSender(transport.append_logs)
-        # Machine-wide: no other worker, however started, offers these GPUs
-        # while this one does (see gpulocks.py). Last: nothing after can fail.
-        try:
-            if gpu_claim is not None and gpu_claim.gpus != self.gpus:
-                raise WorkerError("a worker offers exactly the GPUs of the claim it is given")
-            self._claim = gpu_claim or claim_gpus(self.gpus)
-        except BaseException:
-            self._logs.stop()
-            if self._ledger is not None:
-                self._ledger.close()
-            if self._warden is not None:
-                self._warden.release()
-            raise
+        self._logs = LogSender(transport.append_logs)  # a thread: after the warden's fork
 
     @property
     def id(self) -> str:
