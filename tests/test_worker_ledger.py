@@ -115,7 +115,7 @@ def test_a_worker_taking_over_a_dead_ones_id_says_it_adopted_it(home: Path) -> N
     work = home / "ledger-workers"
     dead = Ledger(work)
     dead.set_worker_id("1m8deadworker0")
-    os.close(dead._fd)  # the process died: its lock went with it
+    _die(dead)  # the process died: its locks went with it
     embedded = Embedded(home)
     calls = record_registrations(embedded.transport)
     worker = Worker(
@@ -317,7 +317,7 @@ def test_a_next_worker_that_cannot_start_keeps_the_results_it_could_not_deliver(
     dead.set_worker_id("1m8deadworker0")
     result = _result("1m8job00000001")
     dead.keep(result)
-    os.close(dead._fd)  # its process dies
+    _die(dead)  # its process dies
     server = _Answers(status)
     heir = Worker(
         HttpTransport(server.url, token="t", retries=1),
@@ -366,7 +366,7 @@ def test_a_result_kept_by_the_previous_version_is_still_delivered(tmp_path: Path
     dead = Ledger(tmp_path)
     dead.set_worker_id("1m8deadworker0")
     (dead.dir / "results" / "1m8job00000001-1-0").write_bytes(msgspec.json.encode(result))
-    os.close(dead._fd)
+    _die(dead)
     heir = Ledger(tmp_path)
     try:
         assert heir.recover(grace=0.2) == "1m8deadworker0"
@@ -470,7 +470,7 @@ def test_a_dead_workers_id_a_next_one_failed_to_register_with_is_adopted_by_the_
     work = tmp_path / "workers"
     dead = Ledger(work)
     dead.set_worker_id("1m8deadworker0")
-    os.close(dead._fd)  # its process dies, with nothing kept
+    _die(dead)  # its process dies, with nothing kept
     heir = Worker(
         HttpTransport("http://127.0.0.1:9", token="t", retries=1),  # nothing listens
         cache=ArtifactStore(tmp_path / "cache"),
@@ -526,14 +526,16 @@ def test_a_warden_needs_a_ledger(home: Path) -> None:
 def test_a_wardens_goodbye_has_a_deadline_however_slow_the_server(tmp_path: Path) -> None:
     """The warden holds the dead worker's ledger lock, which the next worker
     on the home waits for: a goodbye to a server that answers byte by byte
-    (or a name lookup that hangs) ends at the deadline, with the warden."""
+    (or a name lookup that hangs) ends at the deadline, with the warden;
+    also where the worker had SIGALRM blocked (the warden inherits that)."""
     import signal
     import subprocess
     import sys
 
     script = (
-        "import sys, threading\n"
+        "import signal, sys, threading\n"
         "from pathlib import Path\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\n"
         "from gpulayer import defaults\n"
         "defaults.WARDEN_GOODBYE_TIMEOUT_S = 0.2\n"
         "from gpulayer.worker import warden\n"
@@ -588,11 +590,21 @@ def test_a_dead_workers_trees_get_their_sigterm_together(tmp_path: Path) -> None
         ledger.close()
 
 
-def _held_elsewhere(lock: Path) -> subprocess.Popen[str]:
-    """A process holding ``lock`` until its stdin closes."""
+def _die(ledger: Ledger) -> None:
+    """As the death of the ledger's worker process (with no warden) would:
+    its locks go."""
+    os.close(ledger._fd)
+    os.close(ledger._alive)
+
+
+def _held_elsewhere(*locks: Path) -> subprocess.Popen[str]:
+    """A process holding ``locks`` until its stdin closes."""
     holder = subprocess.Popen(
-        [PY, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
-         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()", str(lock)],
+        [PY, "-c", "import fcntl, os, sys\n"
+         "for path in sys.argv[1:]:\n"
+         "    fcntl.flock(os.open(path, os.O_RDWR), fcntl.LOCK_EX)\n"
+         "print('held', flush=True)\n"
+         "sys.stdin.read()\n", *map(str, locks)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert holder.stdout is not None and holder.stdout.readline() == "held\n"
@@ -603,7 +615,7 @@ def _dead_ledger(work: Path, worker_id: str) -> Path:
     """A ledger as a worker that died left it: named after a pid no process has."""
     dead = Ledger(work)
     dead.set_worker_id(worker_id)
-    os.close(dead.lock_fd)
+    _die(dead)
     gone = dead.dir.with_name(f"{2**22 + 1}-{dead.dir.name.split('-')[1]}")  # past pid_max
     dead.dir.rename(gone)
     return gone
@@ -612,12 +624,12 @@ def _dead_ledger(work: Path, worker_id: str) -> Path:
 def test_a_ledger_locked_by_a_live_process_is_passed_over_at_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A live worker whose pid is not seen from here (another pid namespace
-    on a shared home) holds its ledger's lock with no warden's mark: the
-    next worker does not wait for it, nor take it over."""
+    """A live worker, whose pid may not be seen from here (another pid
+    namespace on a shared home), holds both its ledger's locks: the next
+    worker does not wait for it, nor take it over."""
     work = tmp_path / "work"
     other = _dead_ledger(work, "1m8otherworker")
-    holder = _held_elsewhere(other / "lock")
+    holder = _held_elsewhere(other / "lock", other / "alive")
     heir = Ledger(work)
     try:
         with caplog.at_level(logging.INFO, logger="gpulayer.worker.ledger"):
@@ -633,16 +645,14 @@ def test_a_ledger_locked_by_a_live_process_is_passed_over_at_once(
         heir.close()
 
 
-def test_the_next_worker_waits_for_a_warden_that_marked_its_work(tmp_path: Path) -> None:
-    """Its warden holds a dead worker's ledger while it ends its tasks: the
-    next worker waits for it (as long as it said it could take), then takes
-    the ledger over."""
-    from gpulayer.worker.ledger import mark_ending
-
+def test_the_next_worker_waits_for_a_dead_workers_warden(tmp_path: Path) -> None:
+    """Its warden holds a dead worker's ledger while it ends its tasks (the
+    "alive" lock went with the worker): the next worker waits for it, for as
+    long as it said it may take, then takes the ledger over."""
     work = tmp_path / "work"
     dead = _dead_ledger(work, "1m8deadworker0")
+    (dead / "warden-time").write_text("60.0")
     holder = _held_elsewhere(dead / "lock")
-    mark_ending(dead, time.time() + 60)
 
     class LetGo(logging.Handler):  # the moment the heir waits: the warden is done
         def emit(self, record: logging.LogRecord) -> None:
@@ -669,3 +679,53 @@ def test_the_next_worker_waits_for_a_warden_that_marked_its_work(tmp_path: Path)
         assert holder.stdout is not None
         holder.stdout.close()
         heir.close()
+
+
+def test_heirs_waiting_together_for_a_warden_stop_when_one_took_the_ledger(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two workers start on the home while a dead worker's warden is at
+    work: one takes the ledger over, and the other stops waiting then, not
+    at the warden's deadline."""
+    work = tmp_path / "work"
+    dead = _dead_ledger(work, "1m8deadworker0")
+    (dead / "warden-time").write_text("60.0")
+    holder = _held_elsewhere(dead / "lock")
+    waiting = threading.Semaphore(0)
+
+    class Counted(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting for the warden" in record.getMessage():
+                waiting.release()
+
+    heirs = [Ledger(work), Ledger(work)]
+    adopted: list[str | None] = []
+    handler = Counted()
+    logger = logging.getLogger("gpulayer.worker.ledger")
+    logger.addHandler(handler)
+    threads = [
+        threading.Thread(target=lambda h=h: adopted.append(h.recover(grace=0.5))) for h in heirs
+    ]
+    try:
+        with caplog.at_level(logging.INFO, logger="gpulayer.worker.ledger"):
+            for thread in threads:
+                thread.start()
+            for _ in heirs:
+                assert waiting.acquire(timeout=30)
+            assert holder.stdin is not None
+            holder.stdin.close()  # the warden is done
+            for thread in threads:
+                thread.join(30)
+                assert not thread.is_alive(), "an heir waits on for a ledger already taken over"
+        assert sorted(adopted, key=str) == ["1m8deadworker0", None]
+        assert not [r for r in caplog.records if "did not finish" in r.getMessage()]
+    finally:
+        logger.removeHandler(handler)
+        if holder.poll() is None:
+            assert holder.stdin is not None
+            holder.stdin.close()
+        holder.wait()
+        assert holder.stdout is not None
+        holder.stdout.close()
+        for heir in heirs:
+            heir.close()

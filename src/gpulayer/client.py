@@ -206,7 +206,7 @@ class Client:
                     proc = subprocess.Popen(
                         argv, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
                     )
-                    started.append(_LocalWorker(proc, share, kill_grace))
+                    started.append(_LocalWorker(proc, share))
                     self._local_workers.append(started[-1])  # at once: close() stops it
                 if self._closing.is_set():  # close() began meanwhile: these too
                     for worker in started:
@@ -214,8 +214,8 @@ class Client:
                 failed = []
                 for worker in started:  # each, so that every one that runs has its stderr read
                     try:
-                        worker.id, worker.forwarder = _await_registration(worker.proc)
-                        self._forwarders.append(worker.forwarder)
+                        worker.id, forwarder = _await_registration(worker.proc)
+                        self._forwarders.append(forwarder)
                     except WorkerError as exc:
                         failed.append(exc)
                 if self._closing.is_set():
@@ -227,20 +227,8 @@ class Client:
         return [w for w in self._transport.list_workers() if w.id in ids]
 
     def _forget_ended_workers(self) -> None:
-        """Worker processes that ended count no more, and their GPUs are free.
-
-        Free once its warden is gone too: a worker that died leaves them
-        claimed by its warden until its tasks have ended (their stderr, which
-        the warden shares, closes then); waited for as long as that may take."""
-        from .worker.process import KILL_WAIT_S
-
-        ended = [w for w in self._local_workers if w.proc.poll() is not None]
-        for worker in ended:
-            if worker.gpus and worker.forwarder is not None:
-                worker.forwarder.join(
-                    worker.kill_grace + KILL_WAIT_S + defaults.WARDEN_GOODBYE_TIMEOUT_S + 1.0
-                )
-        self._local_workers = [w for w in self._local_workers if w not in ended]
+        """Worker processes that ended count no more, and their GPUs are free."""
+        self._local_workers = [w for w in self._local_workers if w.proc.poll() is None]
 
     # ---- jobs ----
 
@@ -430,10 +418,7 @@ class _LocalWorker:
 
     proc: subprocess.Popen[str]
     gpus: list[Gpu]
-    kill_grace: float
     id: str | None = None  # once it registered
-    # Passes its stderr on, to its end: once the worker and its warden are gone.
-    forwarder: threading.Thread | None = None
 
 
 _SERVING = re.compile(r"gpulayer: worker (\S+) \(.*\) serving ")

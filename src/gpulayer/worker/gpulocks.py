@@ -221,21 +221,13 @@ class GpuClaim:
                 os.close(fd)  # only looks hold it; this lets go of the shared lock just taken
             time.sleep(_TRY_GAP_S)
 
-    def handover(self) -> list[int]:
-        """Copies of the claims' descriptors, for a worker's warden to hold
-        if the worker dies (its tasks may still use the GPUs): one lock
-        each, shared with this claim; :meth:`release` lets go of it anyway."""
-        return [os.dup(fd) for fd in self._fds]
-
     def release(self) -> None:
         fds, self._fds, self.gpus = self._fds, [], []
         if os.getpid() != self._pid:
             return  # a forked child's copies are closed already (see _forget_in_child)
         for fd in fds:
             _HELD.discard(fd)
-            # Unlocked first: a copy (a warden's) would keep it locked.
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            os.close(fd)  # the lock goes with the last descriptor of its file
 
     def __del__(self) -> None:
         self.release()

@@ -53,7 +53,8 @@ from .process import end_orphans
 log = logging.getLogger(__name__)
 
 
-_ENDING = "ending"  # a dead worker's warden is at work on its ledger until then
+_WARDEN_TIME = "warden-time"  # the longest its warden may take, once the worker died
+_WARDEN_TIME_UNSAID = 30.0  # for a ledger that does not say
 _LOCK_POLL_S = 0.05  # how often a dead worker's ledger lock is tried while its warden works
 _LATE_S = 1.0  # how long past its own deadline a warden is waited for
 
@@ -77,6 +78,11 @@ class Ledger:
         fd = take_lock(new / "lock", create=True)
         assert fd is not None  # a name no one else has
         self._fd = fd
+        # Held by the worker process alone (its warden does not keep it):
+        # free while "lock" is held, the worker is dead and its warden at work.
+        alive = take_lock(new / "alive", create=True)
+        assert alive is not None
+        self._alive = alive
         self.dir = new.rename(self.root / name)
         self._tasks = f"{self.dir}/tasks/"
         self._results = self.dir / "results"
@@ -94,12 +100,11 @@ class Ledger:
             if other == self.dir or other.name.startswith("."):
                 continue
             fd = take_lock(other / "lock", create=False)
-            until = _ending(other) if fd is None else None
-            if until is not None:
+            if fd is None and _warden_at_work(other):
                 # Its worker is dead, and its warden (warden.py) is ending
                 # what it left, or saying goodbye. Skipped, its results and
                 # its id would wait for a later worker process: waited for.
-                fd = _lock_when_free(other, until)
+                fd = _lock_when_free(other, _warden_time(other))
             if fd is None:
                 continue  # a live worker's (another worker process on this home)
             try:
@@ -126,8 +131,14 @@ class Ledger:
 
     @property
     def lock_fd(self) -> int:
-        """The descriptor whose lock says this ledger's worker is alive."""
+        """The descriptor whose lock says this ledger is in use: its worker
+        alive, or its warden at work."""
         return self._fd
+
+    def set_warden_time(self, seconds: float) -> None:
+        """A warden watches this ledger's worker, and may take this long once
+        it died (a next worker on the home waits that long for it at most)."""
+        (self.dir / _WARDEN_TIME).write_text(repr(seconds))
 
     def set_worker_id(self, worker_id: str) -> None:
         (self.dir / "worker-id").write_text(worker_id)
@@ -228,6 +239,7 @@ class Ledger:
             log.warning("leaving undelivered results in %s for the next worker", self._results)
         else:
             shutil.rmtree(self.dir, ignore_errors=True)
+        os.close(self._alive)
         os.close(fd)
 
 
@@ -252,31 +264,37 @@ def _sync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def mark_ending(ledger_dir: Path, until: float) -> None:
-    """A dead worker's warden says it is at work on the ledger until
-    ``until`` (``time.time()``), for a next worker process to wait for it."""
-    temporary = ledger_dir / ".ending"
-    temporary.write_text(repr(until))
-    os.replace(temporary, ledger_dir / _ENDING)
+def _warden_at_work(ledger_dir: Path) -> bool:
+    """Whether a locked ledger's worker is dead (its "alive" lock is free),
+    so that its warden holds the lock. A ledger of a version without that
+    lock reads as a live worker's."""
+    fd = take_lock(ledger_dir / "alive", create=False)
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
 
 
-def _ending(ledger_dir: Path) -> float | None:
-    """Until when a dead worker's warden said it would be at work on the
-    ledger, if it did."""
+def _warden_time(ledger_dir: Path) -> float:
+    """The longest the ledger's warden said it may take, once its worker died."""
     try:
-        return float((ledger_dir / _ENDING).read_text())
+        return float((ledger_dir / _WARDEN_TIME).read_text())
     except (OSError, ValueError):
-        return None
+        return _WARDEN_TIME_UNSAID
 
 
-def _lock_when_free(ledger_dir: Path, until: float) -> int | None:
-    """The ledger's lock, once its warden lets it go, if that is by ``until``."""
+def _lock_when_free(ledger_dir: Path, within: float) -> int | None:
+    """The ledger's lock, once its warden lets it go, within ``within`` s;
+    None if not by then, or if another worker took the ledger over first."""
     log.info("waiting for the warden of dead worker %s to finish", ledger_dir.name)
+    deadline = time.monotonic() + within + _LATE_S
     while True:
         fd = take_lock(ledger_dir / "lock", create=False)
         if fd is not None:
             return fd
-        if time.time() >= until + _LATE_S:
+        if not (ledger_dir / "lock").exists():
+            return None  # another worker process took it over, and removed it
+        if time.monotonic() >= deadline:
             log.warning("the warden of dead worker %s did not finish in time", ledger_dir.name)
             return None
         time.sleep(_LOCK_POLL_S)  # flock has no timeout: polled

@@ -18,11 +18,13 @@ removed its ledger: its warden does nothing. One whose task outlived the
 stop's wait left it: the warden ends that task.
 
 The warden holds the ledger's lock as the worker did (it inherits the
-descriptor). A next worker process started on the home meanwhile waits for
-it (see Ledger.recover), then takes the ledger over: the dead worker's id,
-and the results it kept. So the warden's work is bounded: the trees in
-turn, each given the kill grace, and the goodbye a deadline (an alarm, which
-ends the warden). It ignores the signals a terminal or a service manager
+descriptor), but not its "alive" lock, nor the worker's GPU claims. A next
+worker process started on the home meanwhile sees the one lock held and the
+other free, waits for the warden (see Ledger.recover), then takes the
+ledger over: the dead worker's id, and the results it kept. So the warden's
+work is bounded, by what the worker wrote in the ledger as it forked it:
+the trees all at once, given the kill grace, and the goodbye a deadline (an
+alarm, which ends the warden). It ignores the signals a terminal or a service manager
 sends to the worker's whole process group: the worker handles those, and
 the warden goes when the worker does. It takes no lock and starts no
 thread: what it runs in the forked child is its own.
@@ -35,14 +37,12 @@ import gc
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from .. import defaults
 from ..errors import AccessDenied, ServerUnreachable, WorkerError
-from .gpulocks import GpuClaim
-from .ledger import Ledger, listed_tasks, mark_ending
+from .ledger import Ledger, listed_tasks
 from .process import KILL_WAIT_S, end_orphans
 
 # Sent to a worker's whole process group by a terminal or a service manager:
@@ -59,12 +59,10 @@ class Warden:
         *,
         grace: float,
         goodbye: Callable[[str], None] | None = None,
-        claim: GpuClaim | None = None,
     ) -> None:
         """``goodbye(worker_id)``, run in the warden once it has ended what the
         worker left, tells the control plane the worker is gone, on a
-        connection of its own (it is another process). The GPUs of ``claim``
-        stay claimed until those tasks are gone, should the worker die."""
+        connection of its own (it is another process)."""
         if threading.active_count() > 1:
             # A fork copies only the calling thread: a lock another thread
             # held stays held in the child forever.
@@ -76,7 +74,9 @@ class Warden:
                 "a worker's warden needs stdin, stdout and stderr open (see open_stdio)"
             )
         worker = os.getpid()
-        claims = [] if claim is None else claim.handover()
+        # For a next worker process on the home, which waits that long at
+        # most for the warden of a dead worker (see Ledger.recover).
+        ledger.set_warden_time(grace + KILL_WAIT_S + defaults.WARDEN_GOODBYE_TIMEOUT_S)
         # Until the warden ignores them: a Ctrl-C now must not run the
         # worker's handler in it.
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, _IGNORED)
@@ -85,7 +85,7 @@ class Warden:
             if pid == 0:  # the warden; it never returns
                 code = 0
                 try:
-                    _watch(read_end, ledger, grace, worker, goodbye, claims, mask)
+                    _watch(read_end, ledger, grace, worker, goodbye, mask)
                 except BaseException as exc:
                     _say(f"gpulayer: the warden of worker process {worker} failed: {exc!r}\n")
                     code = 1
@@ -93,8 +93,6 @@ class Warden:
                     os._exit(code)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            for fd in claims:  # the warden's copies
-                os.close(fd)
         os.close(read_end)
         self.pid = pid
         self._write_end: int | None = write_end
@@ -136,7 +134,6 @@ def _watch(
     grace: float,
     worker: int,
     goodbye: Callable[[str], None] | None,
-    claims: list[int],
     mask: set[int | signal.Signals],
 ) -> None:
     # Objects the worker made stay as they are: a cycle collected here could
@@ -145,15 +142,15 @@ def _watch(
     for signum in _IGNORED:
         signal.signal(signum, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    # Only the pipe, the ledger's lock, the GPU claims' copies and stderr
-    # stay open: no reader of the worker's stdout, nor the server, waits on
-    # the warden.
+    # Only the pipe, the ledger's lock and stderr stay open: no reader of the
+    # worker's stdout, nor the server, waits on the warden; and the ledger's
+    # other lock, which says its worker is alive, goes with the worker alone.
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)
     if null > 2:
         os.close(null)
-    keep = {0, 1, 2, read_end, ledger.lock_fd, *claims}
+    keep = {0, 1, 2, read_end, ledger.lock_fd}
     for fd in _open_fds():
         if fd not in keep:
             with contextlib.suppress(OSError):  # the listing's own, closed already
@@ -162,12 +159,8 @@ def _watch(
         pass  # nothing is written: only the end counts
     if not ledger.dir.exists():
         return  # the worker stopped, and tidied up: it has said goodbye itself
-    # A next worker process on the home waits for the warden until then.
-    mark_ending(ledger.dir, time.time() + grace + KILL_WAIT_S + defaults.WARDEN_GOODBYE_TIMEOUT_S)
     listed = listed_tasks(ledger.dir)
     ended = end_orphans(listed, grace=grace) if listed else 0
-    for fd in claims:  # the tasks that used the GPUs are gone
-        os.close(fd)
     if ended:
         _say(
             f"gpulayer: worker process {worker} is gone; its warden ended the "
@@ -193,6 +186,7 @@ def _say_goodbye(ledger_dir: Path, goodbye: Callable[[str], None]) -> None:
     # However slow the server (or the name lookup): the warden holds the
     # ledger's lock, which the next worker process on the home waits for.
     signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the end of the warden
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})  # one the worker blocked too
     signal.setitimer(signal.ITIMER_REAL, defaults.WARDEN_GOODBYE_TIMEOUT_S)
     try:
         goodbye(worker_id)

@@ -147,9 +147,7 @@ class Worker:
                 # It ends the tasks as soon as the worker dies (warden.py):
                 # forked here, before the worker has a thread.
                 try:
-                    self._warden = Warden(
-                        self._ledger, grace=kill_grace, goodbye=warden_goodbye, claim=self._claim
-                    )
+                    self._warden = Warden(self._ledger, grace=kill_grace, goodbye=warden_goodbye)
                 except BaseException:
                     if gpu_claim is None:  # its own: let go of it
                         self._claim.release()
