@@ -35,7 +35,9 @@ STUBBORN = (
 )
 
 
-def _keeping_a_ledger(embedded: Embedded, work: Path, *, kill_grace: float) -> Worker:
+def _keeping_a_ledger(
+    embedded: Embedded, work: Path, *, kill_grace: float, warden: bool = False
+) -> Worker:
     """A one-slot worker (not started) that keeps a ledger, as a worker process does."""
     return Worker(
         embedded.transport,
@@ -44,6 +46,7 @@ def _keeping_a_ledger(embedded: Embedded, work: Path, *, kill_grace: float) -> W
         slots=1,
         kill_grace=kill_grace,
         ledger=True,
+        warden=warden,
     )
 
 
@@ -499,14 +502,7 @@ def test_a_warden_is_not_forked_once_a_thread_runs(home: Path) -> None:
     work = home / "workers"
     try:
         with pytest.raises(WorkerError, match="before the worker starts any thread"):
-            Worker(
-                embedded.transport,
-                cache=embedded.artifacts,
-                work_dir=work,
-                slots=1,
-                ledger=True,
-                warden=True,
-            )
+            _keeping_a_ledger(embedded, work, kill_grace=1.0, warden=True)
     finally:
         release.set()
         other.join()
@@ -597,18 +593,31 @@ def _die(ledger: Ledger) -> None:
     os.close(ledger._alive)
 
 
-def _held_elsewhere(*locks: Path) -> subprocess.Popen[str]:
-    """A process holding ``locks`` until its stdin closes."""
-    holder = subprocess.Popen(
-        [PY, "-c", "import fcntl, os, sys\n"
-         "for path in sys.argv[1:]:\n"
-         "    fcntl.flock(os.open(path, os.O_RDWR), fcntl.LOCK_EX)\n"
-         "print('held', flush=True)\n"
-         "sys.stdin.read()\n", *map(str, locks)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-    return holder
+class _Holder:
+    """A process holding some locks (as a live worker, or a warden, would)
+    until :meth:`let_go`."""
+
+    def __init__(self, *locks: Path) -> None:
+        self.proc = subprocess.Popen(
+            [PY, "-c", "import fcntl, os, sys\n"
+             "for path in sys.argv[1:]:\n"
+             "    fcntl.flock(os.open(path, os.O_RDWR), fcntl.LOCK_EX)\n"
+             "print('held', flush=True)\n"
+             "sys.stdin.read()\n", *map(str, locks)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self.proc.stdout is not None and self.proc.stdout.readline() == "held\n"
+
+    def let_go(self) -> None:
+        assert self.proc.stdin is not None
+        if not self.proc.stdin.closed:
+            self.proc.stdin.close()
+
+    def close(self) -> None:
+        self.let_go()
+        self.proc.wait()
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
 
 
 def _dead_ledger(work: Path, worker_id: str) -> Path:
@@ -629,7 +638,7 @@ def test_a_ledger_locked_by_a_live_process_is_passed_over_at_once(
     worker does not wait for it, nor take it over."""
     work = tmp_path / "work"
     other = _dead_ledger(work, "1m8otherworker")
-    holder = _held_elsewhere(other / "lock", other / "alive")
+    holder = _Holder(other / "lock", other / "alive")
     heir = Ledger(work)
     try:
         with caplog.at_level(logging.INFO, logger="gpulayer.worker.ledger"):
@@ -637,11 +646,7 @@ def test_a_ledger_locked_by_a_live_process_is_passed_over_at_once(
         assert not [r for r in caplog.records if "warden" in r.getMessage()]
         assert other.exists()
     finally:
-        assert holder.stdin is not None
-        holder.stdin.close()
-        holder.wait()
-        assert holder.stdout is not None
-        holder.stdout.close()
+        holder.close()
         heir.close()
 
 
@@ -652,13 +657,12 @@ def test_the_next_worker_waits_for_a_dead_workers_warden(tmp_path: Path) -> None
     work = tmp_path / "work"
     dead = _dead_ledger(work, "1m8deadworker0")
     (dead / "warden-time").write_text("60.0")
-    holder = _held_elsewhere(dead / "lock")
+    holder = _Holder(dead / "lock")
 
     class LetGo(logging.Handler):  # the moment the heir waits: the warden is done
         def emit(self, record: logging.LogRecord) -> None:
             if "waiting for the warden" in record.getMessage():
-                assert holder.stdin is not None
-                holder.stdin.close()
+                holder.let_go()
 
     heir = Ledger(work)
     handler = LetGo()
@@ -672,12 +676,7 @@ def test_the_next_worker_waits_for_a_dead_workers_warden(tmp_path: Path) -> None
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-        if holder.poll() is None:
-            assert holder.stdin is not None
-            holder.stdin.close()
-        holder.wait()
-        assert holder.stdout is not None
-        holder.stdout.close()
+        holder.close()
         heir.close()
 
 
@@ -690,7 +689,7 @@ def test_heirs_waiting_together_for_a_warden_stop_when_one_took_the_ledger(
     work = tmp_path / "work"
     dead = _dead_ledger(work, "1m8deadworker0")
     (dead / "warden-time").write_text("60.0")
-    holder = _held_elsewhere(dead / "lock")
+    holder = _Holder(dead / "lock")
     waiting = threading.Semaphore(0)
 
     class Counted(logging.Handler):
@@ -712,8 +711,7 @@ def test_heirs_waiting_together_for_a_warden_stop_when_one_took_the_ledger(
                 thread.start()
             for _ in heirs:
                 assert waiting.acquire(timeout=30)
-            assert holder.stdin is not None
-            holder.stdin.close()  # the warden is done
+            holder.let_go()  # the warden is done
             for thread in threads:
                 thread.join(30)
                 assert not thread.is_alive(), "an heir waits on for a ledger already taken over"
@@ -721,11 +719,6 @@ def test_heirs_waiting_together_for_a_warden_stop_when_one_took_the_ledger(
         assert not [r for r in caplog.records if "did not finish" in r.getMessage()]
     finally:
         logger.removeHandler(handler)
-        if holder.poll() is None:
-            assert holder.stdin is not None
-            holder.stdin.close()
-        holder.wait()
-        assert holder.stdout is not None
-        holder.stdout.close()
+        holder.close()
         for heir in heirs:
             heir.close()

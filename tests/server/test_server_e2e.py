@@ -231,6 +231,26 @@ def _warden_of(worker: subprocess.Popen[str]) -> psutil.Process:
     return warden
 
 
+_STUBBORN = (  # ignores SIGTERM: ends at SIGKILL, the kill grace after
+    "import os, signal, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('pid', os.getpid(), flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def _killed_mid_task(
+    client: gpulayer.Client, worker: subprocess.Popen[str], code: str = _STUBBORN, gpus: int = 0
+) -> tuple[gpulayer.Job, str]:
+    """Run ``code`` (it prints "pid ..."), then SIGKILL its worker: the job,
+    and the line it printed."""
+    job = client.submit(command=[PY, "-c", code], gpus=gpus)
+    line = follow_until(job, "pid")
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    return job, line
+
+
 def test_a_killed_workers_warden_ends_the_task_trees_it_left(
     server: ServerProc, tmp_path: Path
 ) -> None:
@@ -247,11 +267,8 @@ def test_a_killed_workers_warden_ends_the_task_trees_it_left(
         "time.sleep(600)"
     )
     with server.client() as client:
-        job = client.submit(command=[PY, "-c", code])
-        pids = [int(p) for p in follow_until(job, "pids").split()[1:]]
-        assert len(pids_alive(*pids)) == 2
-        doomed.send_signal(signal.SIGKILL)
-        doomed.wait()
+        job, line = _killed_mid_task(client, doomed, code)
+        pids = [int(p) for p in line.split()[1:]]
         said(doomed, "its warden ended the 1 task process tree(s) it left running")
         warden.wait(timeout=30)  # not our child: no exit code to see
         assert pids_alive(*pids) == [], "the task and its child outlived their worker"
@@ -838,16 +855,8 @@ def test_a_worker_started_with_stdin_and_stdout_closed_still_has_a_warden(
     warden = _warden_of(doomed)
     assert [f.path for f in warden.open_files() if f.path.endswith("/lock")], "it holds the lock"
     with server.client() as client:
-        job = client.submit(
-            command=[
-                PY,
-                "-c",
-                "import os, time; print('pid', os.getpid(), flush=True); time.sleep(600)",
-            ]
-        )
-        pid = int(follow_until(job, "pid").split()[1])
-        doomed.send_signal(signal.SIGKILL)
-        doomed.wait()
+        _, line = _killed_mid_task(client, doomed)
+        pid = int(line.split()[1])
         warden.wait(timeout=30)
         assert pids_alive(pid) == []
 
@@ -861,18 +870,10 @@ def test_the_next_worker_on_the_home_waits_for_a_dead_workers_warden(
     would wait for a later worker process."""
     doomed = server.start_worker(tmp_path / "w", name="doomed", kill_grace=5.0)
     warden = _warden_of(doomed)
-    code = (
-        "import os, signal, time\n"
-        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        "print('pid', os.getpid(), flush=True)\n"
-        "time.sleep(600)\n"
-    )
     with server.client() as client:
-        job = client.submit(command=[PY, "-c", code])
-        pid = int(follow_until(job, "pid").split()[1])
-        old_worker = job.refresh().worker
-        doomed.send_signal(signal.SIGKILL)
-        doomed.wait()
+        (old_worker,) = [w.id for w in client.workers()]
+        job, line = _killed_mid_task(client, doomed)
+        pid = int(line.split()[1])
         server.start_worker(tmp_path / "w", name="heir")
         assert pids_alive(warden.pid, pid) == []  # a zombie is gone enough
         assert {w.id for w in client.workers()} == {old_worker}, "the heir took the id over"
@@ -889,18 +890,10 @@ def test_a_gpu_worker_restarted_after_a_kill_offers_its_gpus_once_its_tasks_are_
     worker's id: no job of its shares a GPU with the dying task."""
     doomed = server.start_worker(tmp_path / "w", name="doomed", gpus="all", kill_grace=3.0)
     warden = _warden_of(doomed)
-    code = (
-        "import os, signal, time\n"
-        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        "print('pid', os.getpid(), flush=True)\n"
-        "time.sleep(600)\n"
-    )
     with server.client() as client:
-        job = client.submit(command=[PY, "-c", code], gpus=1)
-        pid = int(follow_until(job, "pid").split()[1])
-        old_worker = job.refresh().worker
-        doomed.send_signal(signal.SIGKILL)
-        doomed.wait()
+        (old_worker,) = [w.id for w in client.workers()]
+        _, line = _killed_mid_task(client, doomed, gpus=1)
+        pid = int(line.split()[1])
         server.start_worker(tmp_path / "w", name="again", gpus="all")
         assert pids_alive(warden.pid, pid) == []  # a zombie is gone enough
         (again,) = client.workers()
