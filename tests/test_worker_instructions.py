@@ -538,7 +538,7 @@ def test_a_failed_starts_goodbye_waits_only_a_few_seconds(
     answered, gone = threading.Event(), threading.Event()
 
     class Unanswered(InProcessTransport):
-        def unregister_worker(self, worker_id: str) -> None:
+        def unregister_worker(self, worker_id: str, **kwargs: Any) -> None:
             answered.wait(5)
             gone.set()
 

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -66,7 +67,7 @@ def test_a_task_that_outlives_the_stop_is_left_in_the_ledger(home: Path) -> None
         # The worker process ends (its lock goes with it); the next worker
         # process on this home ends what the ledger lists.
         assert worker._ledger is not None
-        os.close(worker._ledger._fd)
+        _die(worker._ledger)
         Ledger(work).recover(grace=0.2)
         assert pids_alive(pid) == []
     finally:
@@ -157,7 +158,7 @@ def test_kept_results_outlive_their_worker_process_until_dropped(tmp_path: Path)
         assert heir.recover(grace=0.2) == "1m8deadworker0"
         assert not dead.dir.exists()
         assert heir.kept() == [with_lines]  # now its own, read back whole
-        os.close(heir._fd)  # this one dies too, before delivering it
+        _die(heir)  # this one dies too, before delivering it
         again = Ledger(tmp_path)
         assert again.recover(grace=0.2) is None  # no id was set on the heir
         assert again.kept() == [with_lines]
@@ -167,7 +168,7 @@ def test_kept_results_outlive_their_worker_process_until_dropped(tmp_path: Path)
         assert not again.dir.exists()  # nothing left to recover: tidied away
     finally:
         with contextlib.suppress(OSError):
-            os.close(heir._fd)
+            _die(heir)
 
 
 class _Away(InProcessTransport):
@@ -192,10 +193,10 @@ class _Away(InProcessTransport):
             raise ServerUnreachable("away")
         super().append_logs(job_id, attempt, lines, node)
 
-    def unregister_worker(self, worker_id: str) -> None:
+    def unregister_worker(self, worker_id: str, **kwargs: Any) -> None:
         if self.away.is_set():
             raise ServerUnreachable("away")
-        super().unregister_worker(worker_id)
+        super().unregister_worker(worker_id, **kwargs)
 
 
 class _BackForTheGoodbye(_Away):
@@ -203,9 +204,9 @@ class _BackForTheGoodbye(_Away):
     outbox tries, and is back by the time the worker says goodbye (it came
     back during the outbox's back-off, after its last try)."""
 
-    def unregister_worker(self, worker_id: str) -> None:
+    def unregister_worker(self, worker_id: str, **kwargs: Any) -> None:
         self.away.clear()
-        super().unregister_worker(worker_id)
+        super().unregister_worker(worker_id, **kwargs)
 
 
 def _told_when_kept(worker: Worker) -> threading.Event:
@@ -338,7 +339,7 @@ def test_a_next_worker_that_cannot_start_keeps_the_results_it_could_not_deliver(
     finally:
         server.close()
         if heir._ledger is not None:
-            os.close(heir._ledger._fd)  # as its process exits
+            _die(heir._ledger)  # as its process exits
 
 
 def test_a_kept_result_that_cannot_be_read_back_is_dropped(tmp_path: Path) -> None:
@@ -484,7 +485,7 @@ def test_a_dead_workers_id_a_next_one_failed_to_register_with_is_adopted_by_the_
     with pytest.raises(ServerUnreachable):
         heir.start()
     assert heir._ledger is not None
-    os.close(heir._ledger._fd)  # as its process exits
+    _die(heir._ledger)  # as its process exits
     after = Ledger(work)
     try:
         assert after.recover(grace=0.1) == "1m8deadworker0"
@@ -538,7 +539,7 @@ def test_a_wardens_goodbye_has_a_deadline_however_slow_the_server(tmp_path: Path
         "ledger = Path(sys.argv[1])\n"
         "(ledger / 'results').mkdir(parents=True)\n"
         "(ledger / 'worker-id').write_text('1m8worker00001')\n"
-        "warden._say_goodbye(ledger, lambda worker_id: threading.Event().wait())\n"
+        "warden._say_goodbye(ledger, lambda *_: threading.Event().wait())\n"
     )
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ledger")], timeout=60)
     assert done.returncode == -signal.SIGALRM

@@ -558,7 +558,7 @@ def worker_start(
     transport = HttpTransport(url, token=ctx.obj["token"], ca_file=ctx.obj["ca_file"])
     stop = threading.Event()
 
-    def goodbye(worker_id: str) -> None:
+    def goodbye(worker_id: str, generation: str | None) -> None:
         # In the worker's warden, another process: a connection of its own, one try.
         farewell = HttpTransport(
             url,
@@ -567,7 +567,7 @@ def worker_start(
             timeout=defaults.WARDEN_GOODBYE_TIMEOUT_S,
             retries=1,
         )
-        farewell.unregister_worker(worker_id, died=True)
+        farewell.unregister_worker(worker_id, died=True, generation=generation)
 
     node = Worker(
         transport,

@@ -253,3 +253,25 @@ def test_a_long_poll_for_a_registration_the_server_replaced_asks_to_register_aga
         assert transport.acquire(info.id, timeout=0) == []
     finally:
         transport.close()
+
+
+def test_a_goodbye_to_an_earlier_registration_leaves_the_worker(server: ServerProc) -> None:
+    """A dead worker's goodbye that comes late (held up on its way) finds
+    its id registered again by the next worker process on its home: it is
+    for the registration it names, so that one stays, with its job."""
+    from gpulayer.jobs import WorkerInfo
+    from gpulayer.transport.http import HttpTransport
+
+    dead, heir = (HttpTransport(server.url, token=server.admin) for _ in range(2))
+    try:
+        info = dead.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None]))
+        gone = dead.generation()
+        heir.register_worker(info, adopted=True)
+        assert gone is not None and heir.generation() not in (None, gone)
+        dead.unregister_worker(info.id, died=True, generation=gone)  # late: changes nothing
+        assert [w.id for w in heir.list_workers()] == [info.id]
+        heir.unregister_worker(info.id, died=True, generation=heir.generation())
+        assert heir.list_workers() == []
+    finally:
+        dead.close()
+        heir.close()

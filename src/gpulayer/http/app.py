@@ -494,8 +494,10 @@ class Api:
         self._check_owner(request, worker_id)
         died = _query_int(request, "died", 0, high=1)
         reason = WORKER_DIED if died else WORKER_STOPPED
-        self.plane.unregister_worker(worker_id, reason, said=True)  # its row, binding and all
-        self._owners.pop(worker_id, None)
+        generation = _query_generation(request)  # a late goodbye to an earlier one does nothing
+        gone = self.plane.unregister_worker(worker_id, reason, said=True, generation=generation)
+        if gone or generation is None:
+            self._owners.pop(worker_id, None)  # its row, binding and all
         return Response(status=204)
 
     async def heartbeat(self, request: Request) -> Response:
@@ -719,7 +721,7 @@ def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: b
         ("GET", f"{v1}/jobs/{{job_id}}/logs", g(user, api.job_logs, ("attempt", "seq", "timeout"))),
         ("GET", f"{v1}/workers", g(user, api.list_workers)),
         ("POST", f"{v1}/workers", g(worker, api.register)),
-        ("DELETE", f"{v1}/workers/{{worker_id}}", g(worker, api.unregister, ("died",))),
+        ("DELETE", f"{v1}/workers/{{worker_id}}", g(worker, api.unregister, ("died", "gen"))),
         ("POST", f"{v1}/workers/{{worker_id}}/heartbeat", g(worker, api.heartbeat)),
         (
             "POST",

@@ -108,6 +108,11 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
                 "1: the worker process died and its warden ended its tasks (the reason "
                 "their jobs are given)",
             ),
+            "gen": (
+                _GEN,
+                "the registration the goodbye is for (the X-GPUlayer-Generation header of the "
+                "register reply); one registered since stays",
+            ),
         },
     ),
     (

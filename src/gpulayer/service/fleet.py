@@ -215,18 +215,30 @@ class Fleet(PlaneCore):
         return lost
 
     def unregister_worker(
-        self, worker_id: str, reason: str = WORKER_STOPPED, *, said: bool = False
-    ) -> None:
-        """Detach a worker; jobs it still runs are retried or end lost.
+        self,
+        worker_id: str,
+        reason: str = WORKER_STOPPED,
+        *,
+        said: bool = False,
+        generation: int | None = None,
+    ) -> bool:
+        """Detach a worker; jobs it still runs are retried or end lost. False
+        if there was none to detach (none, or not that ``generation``).
 
         A job still waiting in its inbox was never handed to it, whether it
         ``said`` goodbye (unregistered itself) or went silent: that one is
         queued again, not counted as an attempt.
+
+        ``generation``: the goodbye is for that registration only. One that
+        comes late, after the worker's id registered again (the next worker
+        process on its home took it over), changes nothing.
         """
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is None:
-                return
+                return False
+            if generation is not None and generation != worker.generation:
+                return False
             was_closed, worker.closed = worker.closed, True  # nothing more placed on it
             said = said or worker.said_goodbye
             now = self._clock()
@@ -276,6 +288,7 @@ class Fleet(PlaneCore):
             self._dispatch(assignments, now)
             for job_id in ended:
                 self._signal_done(job_id)
+            return True
 
     def has_worker(self, worker_id: str) -> bool:
         """Whether ``worker_id`` is registered (not declared lost, not gone)."""

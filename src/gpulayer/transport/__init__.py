@@ -92,9 +92,18 @@ class Transport(abc.ABC):
         """The worker is alive; a ``stopping`` one takes no more work."""
 
     @abc.abstractmethod
-    def unregister_worker(self, worker_id: str, *, died: bool = False) -> None:
+    def unregister_worker(
+        self, worker_id: str, *, died: bool = False, generation: str | None = None
+    ) -> None:
         """The worker leaves; the jobs it runs are retried or end lost. ``died``:
-        its process died and its warden ended those (the reason they are given)."""
+        its process died and its warden ended those (the reason they are given).
+        ``generation`` (see :meth:`generation`): only if that registration
+        is still the worker's, not one made since under its id."""
+
+    def generation(self) -> str | None:
+        """The worker's registration as the control plane numbers it, if it
+        does (over HTTP); None in process."""
+        return None
 
     @abc.abstractmethod
     def acquire(self, worker_id: str, timeout: float) -> list[Instruction]: ...

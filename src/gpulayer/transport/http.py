@@ -459,18 +459,27 @@ class HttpTransport(Transport):
             registered = msgspec.json.decode(response.read(), type=WorkerInfo)
             return registered, response.getheader("X-GPUlayer-Generation")
 
-    def unregister_worker(self, worker_id: str, *, died: bool = False) -> None:
-        query = {"died": 1} if died else None
+    def unregister_worker(
+        self, worker_id: str, *, died: bool = False, generation: str | None = None
+    ) -> None:
+        query: dict[str, Any] = {}
+        if died:
+            query["died"] = 1
+        if generation:
+            query["gen"] = generation
         try:
             with self._exchange(
-                "DELETE", f"/api/v1/workers/{_q(worker_id)}", query=query
+                "DELETE", f"/api/v1/workers/{_q(worker_id)}", query=query or None
             ) as response:
                 response.read()
         except TransportError as exc:
-            if not died or exc.status != 422:
+            if not query or exc.status != 422:
                 raise
-            # A server older than ``died`` refuses it: a plain goodbye then.
+            # A server older than ``died`` and ``gen`` refuses them: a plain goodbye then.
             self.unregister_worker(worker_id)
+
+    def generation(self) -> str | None:
+        return self._received.generation
 
     def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
         # Retried: the server may have closed an idle keep-alive connection.

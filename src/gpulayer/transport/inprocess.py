@@ -88,10 +88,13 @@ class InProcessTransport(Transport):
     def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
         self.plane.heartbeat(worker_id, stopping=stopping)
 
-    def unregister_worker(self, worker_id: str, *, died: bool = False) -> None:
+    def unregister_worker(
+        self, worker_id: str, *, died: bool = False, generation: str | None = None
+    ) -> None:
         with _store_unavailable():  # a stopping worker leaves anyway
             reason = WORKER_DIED if died else WORKER_STOPPED
-            self.plane.unregister_worker(worker_id, reason, said=True)
+            gen = int(generation) if generation else None
+            self.plane.unregister_worker(worker_id, reason, said=True, generation=gen)
 
     def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
         return self.plane.acquire(worker_id, timeout)

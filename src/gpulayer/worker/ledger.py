@@ -53,6 +53,7 @@ from .process import end_orphans
 log = logging.getLogger(__name__)
 
 
+_GENERATION = "generation"  # of the worker's registration
 _WARDEN_TIME = "warden-time"  # the longest its warden may take, once the worker died
 _WARDEN_TIME_UNSAID = 30.0  # for a ledger that does not say
 _LOCK_POLL_S = 0.05  # how often a dead worker's ledger lock is tried while its warden works
@@ -140,8 +141,12 @@ class Ledger:
         it died (a next worker on the home waits that long for it at most)."""
         (self.dir / _WARDEN_TIME).write_text(repr(seconds))
 
-    def set_worker_id(self, worker_id: str) -> None:
+    def set_worker_id(self, worker_id: str, generation: str | None = None) -> None:
+        """The worker's id; and, once registered, the registration's number
+        (for its warden's goodbye), if the control plane gave one."""
         (self.dir / "worker-id").write_text(worker_id)
+        if generation:
+            (self.dir / _GENERATION).write_text(generation)
 
     def keep(self, result: TaskResult, lines: list[LogLine] | None = None) -> None:
         """Write ``result`` down, with the task's ``lines`` not delivered yet,

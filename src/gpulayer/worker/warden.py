@@ -47,7 +47,17 @@ from .process import KILL_WAIT_S, end_orphans
 
 # Sent to a worker's whole process group by a terminal or a service manager:
 # the worker handles them, and the warden leaves when it does.
-_IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# Ctrl-Z, and a terminal's stops for a background process's reads and
+# writes, would stop it where a later SIGKILL of the worker alone leaves it.
+_IGNORED = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGTSTP,
+    signal.SIGTTIN,
+    signal.SIGTTOU,
+)
 
 
 class Warden:
@@ -58,11 +68,12 @@ class Warden:
         ledger: Ledger,
         *,
         grace: float,
-        goodbye: Callable[[str], None] | None = None,
+        goodbye: Callable[[str, str | None], None] | None = None,
     ) -> None:
-        """``goodbye(worker_id)``, run in the warden once it has ended what the
-        worker left, tells the control plane the worker is gone, on a
-        connection of its own (it is another process)."""
+        """``goodbye(worker_id, generation)``, run in the warden once it has
+        ended what the worker left, tells the control plane the worker is
+        gone, on a connection of its own (it is another process); for that
+        registration only, if the ledger has its number."""
         if threading.active_count() > 1:
             # A fork copies only the calling thread: a lock another thread
             # held stays held in the child forever.
@@ -133,7 +144,7 @@ def _watch(
     ledger: Ledger,
     grace: float,
     worker: int,
-    goodbye: Callable[[str], None] | None,
+    goodbye: Callable[[str, str | None], None] | None,
     mask: set[int | signal.Signals],
 ) -> None:
     # Objects the worker made stay as they are: a cycle collected here could
@@ -170,7 +181,7 @@ def _watch(
         _say_goodbye(ledger.dir, goodbye)
 
 
-def _say_goodbye(ledger_dir: Path, goodbye: Callable[[str], None]) -> None:
+def _say_goodbye(ledger_dir: Path, goodbye: Callable[[str, str | None], None]) -> None:
     """Tell the control plane the worker is gone, so that its jobs go
     elsewhere now, not after the heartbeat timeout; unless results it kept
     wait for the server (which would first take their tasks for lost: the
@@ -181,6 +192,12 @@ def _say_goodbye(ledger_dir: Path, goodbye: Callable[[str], None]) -> None:
         worker_id = (ledger_dir / "worker-id").read_text().strip()
     except FileNotFoundError:  # the worker was removing its ledger as it stopped
         return
+    try:
+        # Late (held up on its way), a goodbye must not remove the next
+        # worker process, which registers under the id once the warden is gone.
+        generation: str | None = (ledger_dir / "generation").read_text().strip()
+    except FileNotFoundError:  # killed with its registration on its way
+        generation = None
     if not worker_id:
         return
     # However slow the server (or the name lookup): the warden holds the
@@ -189,7 +206,7 @@ def _say_goodbye(ledger_dir: Path, goodbye: Callable[[str], None]) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})  # one the worker blocked too
     signal.setitimer(signal.ITIMER_REAL, defaults.WARDEN_GOODBYE_TIMEOUT_S)
     try:
-        goodbye(worker_id)
+        goodbye(worker_id, generation)
     except (ServerUnreachable, AccessDenied):
         pass  # it finds out when the heartbeats stop; or the token that could tell is gone
     except Exception as exc:

@@ -76,7 +76,7 @@ class Worker:
         address: str | None = None,
         ledger: bool = False,
         warden: bool = False,
-        warden_goodbye: Callable[[str], None] | None = None,
+        warden_goodbye: Callable[[str, str | None], None] | None = None,
         on_give_up: Callable[[], None] | None = None,
         gpu_claim: GpuClaim | None = None,
     ) -> None:
@@ -218,9 +218,19 @@ class Worker:
 
         def goodbye() -> None:
             with self._registering:  # after a registration under way, as in stop()
-                self.transport.unregister_worker(self.info.id)
+                self._goodbye()
 
         self._waited_for("saying goodbye", goodbye, _GOODBYE_WAIT_S)
+
+    def _goodbye(self) -> None:
+        """Unregister; should it come late, it is for this registration only,
+        not for one the next worker process on the home makes under the id."""
+        self.transport.unregister_worker(self.info.id, generation=self.transport.generation())
+
+    def _registered_as(self, info: WorkerInfo) -> None:
+        self.info = info
+        if self._ledger is not None:  # for the warden's goodbye
+            self._ledger.set_worker_id(info.id, self.transport.generation())
 
     def _waited_for(self, what: str, step: Callable[[], None], wait: float) -> None:
         """``step`` on a thread of its own, waited for ``wait`` s at most: a
@@ -255,15 +265,13 @@ class Worker:
             # adopts the id in turn.
             self._ledger.set_worker_id(self.info.id)
             self._deliver_kept(self._ledger)
-        self.info = self.transport.register_worker(self.info, adopted=adopted)
+        self._registered_as(self.transport.register_worker(self.info, adopted=adopted))
         self._registered = True
-        if self._ledger is not None:
-            self._ledger.set_worker_id(self.info.id)
-            if self._ledger.holds_results():  # refused with a token the server now took
-                # No longer worth failing the start for: what the server does
-                # not take now stays kept.
-                with contextlib.suppress(ServerUnreachable):
-                    self._deliver_kept(self._ledger, last_try=True)
+        if self._ledger is not None and self._ledger.holds_results():
+            # Refused with a token the server now took: no longer worth
+            # failing the start for; what the server does not take now stays kept.
+            with contextlib.suppress(ServerUnreachable):
+                self._deliver_kept(self._ledger, last_try=True)
         self._interface = interface_of(self.info.address)
         self.tasks_dir = self.work_dir / self.info.id
         self._spares = [make_spare(self._new_dir()) for _ in self.info.slot_gpus[:4]]
@@ -468,7 +476,7 @@ class Worker:
             if self._stopping.is_set():  # its goodbye is on its way (see stop)
                 return False
             try:
-                self.info = self.transport.register_worker(self.info, running)
+                self._registered_as(self.transport.register_worker(self.info, running))
             except ServerUnreachable:
                 return False  # the acquire loop backs off and tries again
         log.warning(
@@ -617,7 +625,7 @@ class Worker:
         # After any registration the acquire loop has under way, not before it.
         if goodbye:
             with self._registering, contextlib.suppress(GPUlayerError):
-                self.transport.unregister_worker(self.info.id)
+                self._goodbye()
         if all_ended:
             if self.tasks_dir is not None:
                 shutil.rmtree(self.tasks_dir, ignore_errors=True)
