@@ -275,3 +275,26 @@ def test_a_goodbye_to_an_earlier_registration_leaves_the_worker(server: ServerPr
     finally:
         dead.close()
         heir.close()
+
+
+def test_a_goodbye_to_a_worker_known_from_before_a_restart_removes_it(
+    server: ServerProc,
+) -> None:
+    """Registration numbers live in the server's memory: after a restart, a
+    worker known from the store has none, and a goodbye naming its last one
+    (its warden's, say, once the server is back) still removes it."""
+    from gpulayer.jobs import WorkerInfo
+    from gpulayer.transport.http import HttpTransport
+
+    before = HttpTransport(server.url, token=server.admin, retries=1)
+    info = before.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None]))
+    generation = before.generation()
+    before.close()
+    server.kill()
+    server.start()  # same home: the worker is known, not connected
+    after = HttpTransport(server.url, token=server.admin, retries=1)
+    try:
+        after.unregister_worker(info.id, died=True, generation=generation)
+        assert after.list_workers() == []
+    finally:
+        after.close()

@@ -751,21 +751,32 @@ def test_missing_blobs_are_asked_about_in_parts(
     assert asked == [2, 2, 1]
 
 
-def test_a_dead_workers_goodbye_to_a_server_that_predates_died_is_a_plain_one() -> None:
-    """A server of the version before ``died`` refuses the parameter (422):
-    the warden's goodbye is then sent without it, so the jobs still go
-    elsewhere at once, under the older reason."""
+@pytest.mark.parametrize(
+    ("refused", "seen"),
+    [
+        # Before died= and gen=: every query refused, a plain goodbye then.
+        ("?", ["?died=1&gen=17", "?died=1", ""]),
+        # Before gen= only: died= still goes, for the jobs' reason.
+        ("gen=", ["?died=1&gen=17", "?died=1"]),
+    ],
+)
+def test_a_dead_workers_goodbye_to_an_older_server_says_what_it_takes(
+    refused: str, seen: list[str]
+) -> None:
+    """An older server refuses (422) the query parameters it does not know:
+    the goodbye is sent again without them, so the jobs still go elsewhere
+    at once."""
     import http.server
 
     from gpulayer.transport.http import HttpTransport
 
-    seen: list[str] = []
+    paths: list[str] = []
 
     class OldServer(http.server.BaseHTTPRequestHandler):
         def do_DELETE(self) -> None:
-            seen.append(self.path)
-            if "?" in self.path:
-                body = b'{"error": "unknown query parameter \'died\'; it takes none"}'
+            paths.append(self.path)
+            if refused in self.path:
+                body = b'{"error": "unknown query parameter"}'
                 self.send_response(422)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -783,11 +794,11 @@ def test_a_dead_workers_goodbye_to_a_server_that_predates_died_is_a_plain_one() 
     thread.start()
     try:
         transport = HttpTransport(f"http://127.0.0.1:{httpd.server_address[1]}", retries=1)
-        transport.unregister_worker("1m8worker00001", died=True)
+        transport.unregister_worker("1m8worker00001", died=True, generation="17")
     finally:
         httpd.shutdown()
         httpd.server_close()
-    assert seen == ["/api/v1/workers/1m8worker00001?died=1", "/api/v1/workers/1m8worker00001"]
+    assert paths == [f"/api/v1/workers/1m8worker00001{query}" for query in seen]
 
 
 def test_a_worker_stopped_while_registering_is_unregistered_by_its_warden(

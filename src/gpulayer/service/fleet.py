@@ -229,15 +229,17 @@ class Fleet(PlaneCore):
         ``said`` goodbye (unregistered itself) or went silent: that one is
         queued again, not counted as an attempt.
 
-        ``generation``: the goodbye is for that registration only. One that
-        comes late, after the worker's id registered again (the next worker
-        process on its home took it over), changes nothing.
+        ``generation``: the goodbye is for that registration. One that comes
+        late, after the worker's id registered again (the next worker process
+        on its home took it over: a later number, since numbers grow with the
+        clock), changes nothing. A worker known from before a restart has no
+        number here (0): any goodbye to it counts.
         """
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is None:
                 return False
-            if generation is not None and generation != worker.generation:
+            if generation is not None and generation < worker.generation:
                 return False
             was_closed, worker.closed = worker.closed, True  # nothing more placed on it
             said = said or worker.said_goodbye

@@ -475,8 +475,11 @@ class HttpTransport(Transport):
         except TransportError as exc:
             if not query or exc.status != 422:
                 raise
-            # A server older than ``died`` and ``gen`` refuses them: a plain goodbye then.
-            self.unregister_worker(worker_id)
+            # A server older than ``gen`` (or ``died`` too) refuses it: without.
+            if generation:
+                self.unregister_worker(worker_id, died=died)
+            else:
+                self.unregister_worker(worker_id)
 
     def generation(self) -> str | None:
         return self._received.generation

@@ -146,7 +146,14 @@ class Ledger:
         (for its warden's goodbye), if the control plane gave one."""
         (self.dir / "worker-id").write_text(worker_id)
         if generation:
-            (self.dir / _GENERATION).write_text(generation)
+            temporary = self.dir / f".{_GENERATION}"
+            temporary.write_text(generation)
+            os.replace(temporary, self.dir / _GENERATION)
+
+    def forget_generation(self) -> None:
+        """The worker registers again: until it has the new number, its
+        warden's goodbye names none (the old one would be ignored)."""
+        (self.dir / _GENERATION).unlink(missing_ok=True)
 
     def keep(self, result: TaskResult, lines: list[LogLine] | None = None) -> None:
         """Write ``result`` down, with the task's ``lines`` not delivered yet,

@@ -476,6 +476,8 @@ class Worker:
             if self._stopping.is_set():  # its goodbye is on its way (see stop)
                 return False
             try:
+                if self._ledger is not None:
+                    self._ledger.forget_generation()
                 self._registered_as(self.transport.register_worker(self.info, running))
             except ServerUnreachable:
                 return False  # the acquire loop backs off and tries again
