@@ -119,3 +119,39 @@ def test_show_says_why_a_job_waits(home: Path) -> None:
         assert "queued" in shown.stdout
         assert "why it waits" in shown.stdout and "no worker has that many" in shown.stdout
         job.cancel()
+
+
+def test_a_second_stop_signal_inside_the_first_ones_handling_returns_at_once() -> None:
+    """A handler runs between two bytecodes of the main thread: a second
+    SIGTERM (Client.close() sends two) can run it inside the first one's
+    ``stop.set()``, which holds the event's lock. Setting it again there
+    waited on that lock for ever: the worker never stopped."""
+    import signal
+
+    from gpulayer.cli import _stop_on_signal
+
+    class Stop:
+        def __init__(self) -> None:
+            self.sets = 0
+
+        def set(self) -> None:  # the second signal comes in here
+            self.sets += 1
+            if self.sets == 1:
+                handler(signal.SIGTERM, None)
+
+    stop = Stop()
+    handler = _stop_on_signal(stop, lambda: True)  # type: ignore[arg-type]
+    handler(signal.SIGTERM, None)
+    assert stop.sets == 1
+
+
+def test_a_stop_signal_before_the_worker_serves_exits_at_once() -> None:
+    import signal
+    import threading
+
+    from gpulayer.cli import _stop_on_signal
+
+    handler = _stop_on_signal(threading.Event(), lambda: False)
+    with pytest.raises(SystemExit) as exited:
+        handler(signal.SIGINT, None)
+    assert exited.value.code == 128 + signal.SIGINT

@@ -723,3 +723,27 @@ def test_heirs_waiting_together_for_a_warden_stop_when_one_took_the_ledger(
         holder.close()
         for heir in heirs:
             heir.close()
+
+
+def test_a_warden_that_cannot_be_forked_leaves_no_descriptor(tmp_path: Path) -> None:
+    """A fork refused (EAGAIN: too many processes) raises, and leaves no
+    pipe behind for a program that embeds a worker and tries again."""
+    script = (
+        "import errno, os, sys\n"
+        "from pathlib import Path\n"
+        "from gpulayer.worker.ledger import Ledger\n"
+        "from gpulayer.worker.warden import Warden\n"
+        "ledger = Ledger(Path(sys.argv[1]))\n"
+        "before = len(os.listdir('/proc/self/fd'))\n"
+        "def refused():\n"
+        "    raise OSError(errno.EAGAIN, 'no more processes')\n"
+        "os.fork = refused\n"
+        "try:\n"
+        "    Warden(ledger, grace=0.1)\n"
+        "except OSError:\n"
+        "    print(len(os.listdir('/proc/self/fd')) - before)\n"
+    )
+    done = subprocess.run(
+        [PY, "-c", script, str(tmp_path / "work")], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout == "0\n", done.stderr

@@ -17,6 +17,8 @@ from .client import Client, Job
 from .errors import GPUlayerError, SpecError
 
 if TYPE_CHECKING:
+    import threading
+
     from .transport.http import HttpTransport
 
 # How `gpulayer run` exits for each final state (a failed job passes its own code on).
@@ -586,11 +588,7 @@ def worker_start(
         on_give_up=stop.set,
     )
 
-    def on_signal(signum: int, _frame: object) -> None:
-        if not node.serving:  # nothing taken yet: go now (start says goodbye)
-            raise SystemExit(128 + signum)
-        stop.set()
-
+    on_signal = _stop_on_signal(stop, lambda: node.serving)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
     node.start()
@@ -603,6 +601,28 @@ def worker_start(
     node.stop(timeout=30)
     if node.gave_up:
         ctx.exit(1)
+
+
+def _stop_on_signal(
+    stop: threading.Event, serving: Callable[[], bool]
+) -> Callable[[int, object], None]:
+    """A worker's SIGTERM and SIGINT handler: exit at once while it takes
+    no task (its start says goodbye), else ask the main thread to stop it."""
+    asked: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if not serving():
+            raise SystemExit(128 + signum)
+        # A handler runs between two bytecodes of the main thread, so a
+        # second signal can run it inside the first one's stop.set(), which
+        # holds the event's lock: setting it again there would wait on that
+        # lock for ever. Once asked, later signals do nothing.
+        if asked:
+            return
+        asked.append(signum)
+        stop.set()
+
+    return on_signal
 
 
 @main.group()

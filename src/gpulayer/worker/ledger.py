@@ -143,17 +143,14 @@ class Ledger:
 
     def set_worker_id(self, worker_id: str, generation: str | None = None) -> None:
         """The worker's id; and, once registered, the registration's number
-        (for its warden's goodbye), if the control plane gave one."""
-        (self.dir / "worker-id").write_text(worker_id)
+        (for its warden's goodbye), if the control plane gave one. Each is
+        replaced whole: a reader never sees one cut short. While the worker
+        registers again the old number stays: a goodbye naming it is then
+        ignored (the heartbeat timeout acts), not taken for the next
+        worker's, which would remove that one."""
+        _replace(self.dir / "worker-id", worker_id)
         if generation:
-            temporary = self.dir / f".{_GENERATION}"
-            temporary.write_text(generation)
-            os.replace(temporary, self.dir / _GENERATION)
-
-    def forget_generation(self) -> None:
-        """The worker registers again: until it has the new number, its
-        warden's goodbye names none (the old one would be ignored)."""
-        (self.dir / _GENERATION).unlink(missing_ok=True)
+            _replace(self.dir / _GENERATION, generation)
 
     def keep(self, result: TaskResult, lines: list[LogLine] | None = None) -> None:
         """Write ``result`` down, with the task's ``lines`` not delivered yet,
@@ -274,6 +271,12 @@ def _sync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _replace(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}")
+    temporary.write_text(text)
+    os.replace(temporary, path)
 
 
 def _warden_at_work(ledger_dir: Path) -> bool:

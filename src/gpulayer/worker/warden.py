@@ -78,16 +78,38 @@ class Warden:
             # A fork copies only the calling thread: a lock another thread
             # held stays held in the child forever.
             raise WorkerError("a worker's warden is forked before the worker starts any thread")
-        read_end, write_end = os.pipe()
-        if min(read_end, ledger.lock_fd) <= 2:
+        if ledger.lock_fd <= 2:
             # The warden puts /dev/null on 0 and 1: they would go.
             raise WorkerError(
                 "a worker's warden needs stdin, stdout and stderr open (see open_stdio)"
             )
-        worker = os.getpid()
         # For a next worker process on the home, which waits that long at
         # most for the warden of a dead worker (see Ledger.recover).
         ledger.set_warden_time(grace + KILL_WAIT_S + defaults.WARDEN_GOODBYE_TIMEOUT_S)
+        read_end, write_end = os.pipe()
+        try:
+            pid = self._fork(read_end, ledger, grace, goodbye)
+        except BaseException:
+            os.close(read_end)
+            os.close(write_end)
+            raise
+        os.close(read_end)
+        self.pid = pid
+        self._write_end: int | None = write_end
+
+    @staticmethod
+    def _fork(
+        read_end: int,
+        ledger: Ledger,
+        grace: float,
+        goodbye: Callable[[str, str | None], None] | None,
+    ) -> int:
+        """The warden's pid; in the warden itself, never returns."""
+        if read_end <= 2:
+            raise WorkerError(
+                "a worker's warden needs stdin, stdout and stderr open (see open_stdio)"
+            )
+        worker = os.getpid()
         # Until the warden ignores them: a Ctrl-C now must not run the
         # worker's handler in it.
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, _IGNORED)
@@ -104,9 +126,7 @@ class Warden:
                     os._exit(code)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        os.close(read_end)
-        self.pid = pid
-        self._write_end: int | None = write_end
+        return pid
 
     def release(self) -> None:
         """The worker stops with its tasks ended: the warden goes now (it

@@ -167,7 +167,16 @@ class Worker:
         self.tasks_dir: Path | None = None  # once registered: its tasks' folders
         self._stop_lock = threading.Lock()
         self._stopped = False
-        self._logs = LogSender(transport.append_logs)  # a thread: after the warden's fork
+        try:
+            self._logs = LogSender(transport.append_logs)  # a thread: after the warden's fork
+        except BaseException:
+            if self._ledger is not None:
+                self._ledger.close()
+            if self._warden is not None:
+                self._warden.release()
+            if gpu_claim is None:
+                self._claim.release()
+            raise
 
     @property
     def id(self) -> str:
@@ -476,8 +485,6 @@ class Worker:
             if self._stopping.is_set():  # its goodbye is on its way (see stop)
                 return False
             try:
-                if self._ledger is not None:
-                    self._ledger.forget_generation()
                 self._registered_as(self.transport.register_worker(self.info, running))
             except ServerUnreachable:
                 return False  # the acquire loop backs off and tries again
