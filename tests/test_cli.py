@@ -121,37 +121,39 @@ def test_show_says_why_a_job_waits(home: Path) -> None:
         job.cancel()
 
 
-def test_a_second_stop_signal_inside_the_first_ones_handling_returns_at_once() -> None:
-    """A handler runs between two bytecodes of the main thread: a second
-    SIGTERM (Client.close() sends two) can run it inside the first one's
-    ``stop.set()``, which holds the event's lock. Setting it again there
-    waited on that lock for ever: the worker never stopped."""
+def test_a_stop_signal_wakes_the_worker_and_takes_no_lock() -> None:
+    """A handler runs between two bytecodes of the main thread, wherever it
+    is: with an Event, a signal inside its ``wait()`` or ``set()`` (a
+    second SIGTERM, as Client.close() sends) waited for ever on the lock
+    the main thread held. The stop request takes none: a handler run
+    inside another, or thousands of times, returns at once."""
     import signal
+    import threading
 
-    from gpulayer.cli import _stop_on_signal
+    from gpulayer.cli import _stop_on_signal, _StopRequest
 
-    class Stop:
-        def __init__(self) -> None:
-            self.sets = 0
-
-        def set(self) -> None:  # the second signal comes in here
-            self.sets += 1
-            if self.sets == 1:
-                handler(signal.SIGTERM, None)
-
-    stop = Stop()
-    handler = _stop_on_signal(stop, lambda: True)  # type: ignore[arg-type]
-    handler(signal.SIGTERM, None)
-    assert stop.sets == 1
+    stop = _StopRequest()
+    handler = _stop_on_signal(stop, lambda: True)
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        main = threading.main_thread().ident
+        assert main == threading.get_ident()
+        sender = threading.Thread(target=signal.pthread_kill, args=(main, signal.SIGUSR1))
+        sender.start()
+        stop.wait()  # woken by the handler, whenever the signal came
+        sender.join()
+        for _ in range(100_000):  # more than a pipe holds: never blocks
+            handler(signal.SIGUSR1, None)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_a_stop_signal_before_the_worker_serves_exits_at_once() -> None:
     import signal
-    import threading
 
-    from gpulayer.cli import _stop_on_signal
+    from gpulayer.cli import _stop_on_signal, _StopRequest
 
-    handler = _stop_on_signal(threading.Event(), lambda: False)
+    handler = _stop_on_signal(_StopRequest(), lambda: False)
     with pytest.raises(SystemExit) as exited:
         handler(signal.SIGINT, None)
     assert exited.value.code == 128 + signal.SIGINT

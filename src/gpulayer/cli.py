@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import sys
 import time
@@ -17,8 +19,6 @@ from .client import Client, Job
 from .errors import GPUlayerError, SpecError
 
 if TYPE_CHECKING:
-    import threading
-
     from .transport.http import HttpTransport
 
 # How `gpulayer run` exits for each final state (a failed job passes its own code on).
@@ -534,7 +534,6 @@ def worker_start(
 ) -> None:
     """Offer this machine's slots to a server until stopped (SIGTERM or Ctrl-C)."""
     import signal
-    import threading
 
     from . import defaults
     from .artifacts import ArtifactStore
@@ -558,7 +557,7 @@ def worker_start(
         click.echo(f"gpulayer: not offering {left_out}", err=True)
     home = resolve_home(ctx.obj["home"])
     transport = HttpTransport(url, token=ctx.obj["token"], ca_file=ctx.obj["ca_file"])
-    stop = threading.Event()
+    stop = _StopRequest()
 
     def goodbye(worker_id: str, generation: str | None) -> None:
         # In the worker's warden, another process: a connection of its own, one try.
@@ -603,23 +602,36 @@ def worker_start(
         ctx.exit(1)
 
 
+class _StopRequest:
+    """Asks a worker's main thread to stop it: from a signal handler, or
+    from the worker's own thread when it gives up.
+
+    A handler runs between two bytecodes of the main thread, wherever it
+    is, so it must take no lock: one the main thread holds there (a
+    ``threading.Event``'s, inside its ``wait()`` or ``set()``) would be
+    waited on for ever. A byte written to a pipe takes none."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # a storm of signals never blocks
+
+    def set(self) -> None:
+        with contextlib.suppress(BlockingIOError):  # full: a byte waits already
+            os.write(self._write, b"x")
+
+    def wait(self) -> None:
+        os.read(self._read, 1)
+
+
 def _stop_on_signal(
-    stop: threading.Event, serving: Callable[[], bool]
+    stop: _StopRequest, serving: Callable[[], bool]
 ) -> Callable[[int, object], None]:
     """A worker's SIGTERM and SIGINT handler: exit at once while it takes
     no task (its start says goodbye), else ask the main thread to stop it."""
-    asked: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
         if not serving():
             raise SystemExit(128 + signum)
-        # A handler runs between two bytecodes of the main thread, so a
-        # second signal can run it inside the first one's stop.set(), which
-        # holds the event's lock: setting it again there would wait on that
-        # lock for ever. Once asked, later signals do nothing.
-        if asked:
-            return
-        asked.append(signum)
         stop.set()
 
     return on_signal
