@@ -134,6 +134,7 @@ def test_a_stop_signal_wakes_the_worker_and_takes_no_lock() -> None:
 
     stop = _StopRequest()
     handler = _stop_on_signal(stop, lambda: True)
+    wakeup = stop.wake_on_signals()
     previous = signal.signal(signal.SIGUSR1, handler)
     try:
         main = threading.main_thread().ident
@@ -146,6 +147,8 @@ def test_a_stop_signal_wakes_the_worker_and_takes_no_lock() -> None:
             handler(signal.SIGUSR1, None)
     finally:
         signal.signal(signal.SIGUSR1, previous)
+        signal.set_wakeup_fd(wakeup)
+        stop.close()
 
 
 def test_a_stop_signal_before_the_worker_serves_exits_at_once() -> None:

@@ -588,6 +588,7 @@ def worker_start(
     )
 
     on_signal = _stop_on_signal(stop, lambda: node.serving)
+    stop.wake_on_signals()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
     node.start()
@@ -614,6 +615,20 @@ class _StopRequest:
     def __init__(self) -> None:
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)  # a storm of signals never blocks
+
+    def wake_on_signals(self) -> int:
+        """Have any signal with a Python handler write to the pipe as it
+        arrives; the previous such descriptor. A Python handler runs in the
+        main thread only once its read returns, or is interrupted: a signal
+        that comes just before the read starts would interrupt nothing, and
+        its handler would wait for ever (a lost wake-up). In C it cannot."""
+        import signal
+
+        return signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
 
     def set(self) -> None:
         with contextlib.suppress(BlockingIOError):  # full: a byte waits already
