@@ -558,6 +558,13 @@ def worker_start(
     home = resolve_home(ctx.obj["home"])
     transport = HttpTransport(url, token=ctx.obj["token"], ca_file=ctx.obj["ca_file"])
     stop = _StopRequest()
+    node: Worker | None = None
+    # Before the worker is made (its GPUs detected, its warden forked): a
+    # signal meanwhile exits as one before it serves does.
+    on_signal = _stop_on_signal(stop, lambda: node is not None and node.serving)
+    stop.wake_on_signals()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
 
     def goodbye(worker_id: str, generation: str | None) -> None:
         # In the worker's warden, another process: a connection of its own, one try.
@@ -586,16 +593,15 @@ def worker_start(
         warden_goodbye=goodbye,
         on_give_up=stop.set,
     )
-
-    on_signal = _stop_on_signal(stop, lambda: node.serving)
-    stop.wake_on_signals()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal)
     node.start()
     click.echo(
         f"gpulayer: worker {node.id} ({len(node.info.slot_gpus)} slots) serving {url}", err=True
     )
     stop.wait()
+    # Its stop may take a while (a server that stopped answering): a second
+    # signal ends it at once, and the warden ends the tasks left.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _exit_now)
     why = f": {node.gave_up}" if node.gave_up else ""
     click.echo(f"gpulayer: worker {node.id} stopping{why}", err=True)
     node.stop(timeout=30)
@@ -636,6 +642,13 @@ class _StopRequest:
 
     def wait(self) -> None:
         os.read(self._read, 1)
+
+
+def _exit_now(signum: int, _frame: object) -> None:
+    """A second stop signal: exit now (no Python lock taken, as any handler)."""
+    with contextlib.suppress(OSError):
+        os.write(2, b"gpulayer: stopping at once; the warden ends the tasks left\n")
+    os._exit(128 + signum)
 
 
 def _stop_on_signal(

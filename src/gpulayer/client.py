@@ -113,17 +113,22 @@ class Client:
             self._embedded.close()
             self._embedded = None
         self._closing.set()
+        signalled = set()
         for worker in list(self._local_workers):
             # Before the lock, which a start under way holds while it waits
             # for them (an unresponsive server, say): one not serving yet
             # exits at once, one serving ends its tasks first.
             if worker.proc.poll() is None:
                 worker.proc.terminate()
+                signalled.add(worker.proc.pid)
         with self._local_lock:
             self._closed = True
             procs = [w.proc for w in self._local_workers]
             for proc in procs:
-                proc.terminate()
+                # Once each: a second SIGTERM stops a worker at once, leaving
+                # its tasks to its warden (see cli.worker_start).
+                if proc.pid not in signalled:
+                    proc.terminate()
             for proc in procs:
                 proc.wait()
             for thread in self._forwarders:

@@ -909,3 +909,25 @@ def test_a_gpu_worker_restarted_after_a_kill_offers_its_gpus_once_its_tasks_are_
         assert pids_alive(warden.pid, pid) == []  # a zombie is gone enough
         (again,) = client.workers()
         assert (again.id, again.slot_gpus) == (old_worker, [0, 1, 2])
+
+
+def test_a_second_stop_signal_ends_a_slow_stop_at_once(server: ServerProc, tmp_path: Path) -> None:
+    """The first SIGTERM stops a worker gently, which can take minutes with a
+    server that stopped answering; the second ends it at once, and its
+    warden ends the task it left."""
+    worker = server.start_worker(tmp_path / "w")
+    warden = _warden_of(worker)
+    assert server.proc is not None
+    with server.client() as client:
+        job = client.submit(command=[PY, "-c", _STUBBORN])
+        pid = int(follow_until(job, "pid").split()[1])
+    server.proc.send_signal(signal.SIGSTOP)  # takes connections, answers nothing
+    try:
+        worker.send_signal(signal.SIGTERM)
+        said(worker, "stopping")
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 128 + signal.SIGTERM
+        warden.wait(timeout=30)
+        assert pids_alive(pid) == []
+    finally:
+        server.proc.send_signal(signal.SIGCONT)

@@ -172,6 +172,7 @@ def _watch(
     gc.disable()
     for signum in _IGNORED:
         signal.signal(signum, signal.SIG_IGN)
+    signal.set_wakeup_fd(-1)  # the worker's, if it had set one: not the warden's
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     # Only the pipe, the ledger's lock and stderr stay open: no reader of the
     # worker's stdout, nor the server, waits on the warden; and the ledger's
