@@ -139,7 +139,7 @@ class Ledger:
     def set_warden_time(self, seconds: float) -> None:
         """A warden watches this ledger's worker, and may take this long once
         it died (a next worker on the home waits that long for it at most)."""
-        (self.dir / _WARDEN_TIME).write_text(repr(seconds))
+        _replace(self.dir / _WARDEN_TIME, repr(seconds))
 
     def set_worker_id(self, worker_id: str, generation: str | None = None) -> None:
         """The worker's id; and, once registered, the registration's number

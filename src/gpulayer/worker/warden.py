@@ -78,11 +78,6 @@ class Warden:
             # A fork copies only the calling thread: a lock another thread
             # held stays held in the child forever.
             raise WorkerError("a worker's warden is forked before the worker starts any thread")
-        if ledger.lock_fd <= 2:
-            # The warden puts /dev/null on 0 and 1: they would go.
-            raise WorkerError(
-                "a worker's warden needs stdin, stdout and stderr open (see open_stdio)"
-            )
         # For a next worker process on the home, which waits that long at
         # most for the warden of a dead worker (see Ledger.recover).
         ledger.set_warden_time(grace + KILL_WAIT_S + defaults.WARDEN_GOODBYE_TIMEOUT_S)
@@ -105,7 +100,8 @@ class Warden:
         goodbye: Callable[[str, str | None], None] | None,
     ) -> int:
         """The warden's pid; in the warden itself, never returns."""
-        if read_end <= 2:
+        if min(read_end, ledger.lock_fd) <= 2:
+            # The warden puts /dev/null on 0 and 1: they would go.
             raise WorkerError(
                 "a worker's warden needs stdin, stdout and stderr open (see open_stdio)"
             )

@@ -135,27 +135,6 @@ class Worker:
         # A worker process of its own keeps a ledger of its tasks' processes,
         # for the next one on this home to end if it dies (see ledger.py).
         self._ledger = Ledger(work_dir) if ledger else None
-        self._warden: Warden | None = None
-        try:
-            # Machine-wide: no other worker, however started, offers these
-            # GPUs while this one does (see gpulocks.py).
-            if gpu_claim is not None and gpu_claim.gpus != self.gpus:
-                raise WorkerError("a worker offers exactly the GPUs of the claim it is given")
-            self._claim = gpu_claim or claim_gpus(self.gpus)
-            if warden:
-                assert self._ledger is not None
-                # It ends the tasks as soon as the worker dies (warden.py):
-                # forked here, before the worker has a thread.
-                try:
-                    self._warden = Warden(self._ledger, grace=kill_grace, goodbye=warden_goodbye)
-                except BaseException:
-                    if gpu_claim is None:  # its own: let go of it
-                        self._claim.release()
-                    raise
-        except BaseException:
-            if self._ledger is not None:
-                self._ledger.close()
-            raise
         self._interface: str | None = None  # of its advertised address (launch.py)
         # Held while registering again, and while a finished report's reply
         # is acted on (see _finish); re-entrant: a task handed back as the
@@ -167,15 +146,28 @@ class Worker:
         self.tasks_dir: Path | None = None  # once registered: its tasks' folders
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self._warden: Warden | None = None
+        own_claim: GpuClaim | None = None
         try:
+            # Machine-wide: no other worker, however started, offers these
+            # GPUs while this one does (see gpulocks.py).
+            if gpu_claim is not None and gpu_claim.gpus != self.gpus:
+                raise WorkerError("a worker offers exactly the GPUs of the claim it is given")
+            self._claim = gpu_claim if gpu_claim is not None else claim_gpus(self.gpus)
+            own_claim = None if gpu_claim is not None else self._claim
+            if warden:
+                assert self._ledger is not None
+                # It ends the tasks as soon as the worker dies (warden.py):
+                # forked here, before the worker has a thread.
+                self._warden = Warden(self._ledger, grace=kill_grace, goodbye=warden_goodbye)
             self._logs = LogSender(transport.append_logs)  # a thread: after the warden's fork
         except BaseException:
             if self._ledger is not None:
                 self._ledger.close()
             if self._warden is not None:
                 self._warden.release()
-            if gpu_claim is None:
-                self._claim.release()
+            if own_claim is not None:  # its own: let go of it
+                own_claim.release()
             raise
 
     @property
