@@ -39,6 +39,10 @@ def test_dispatch_benchmark_runs(tmp_path: Path, mode: list[str]) -> None:
     assert isinstance(burst, dict) and isinstance(single, dict)
     assert burst["gpulayer_jobs_per_s"] > 0 and single["gpulayer_ms"] > 0
     assert set(single["stages_ms"]) >= {"dispatch", "prepare", "launch", "run", "finish"}
+    # Each run shows its own noise: one ratio per burst pair, the quartiles of the job pairs.
+    assert len(burst["round_ratios"]) == 1 and burst["round_ratios"][0] > 0
+    low, high = single["pair_ratio_quartiles"]
+    assert 0 < low <= high
     if mode:  # CPU per process is reported (too coarse to be non-zero in so short a burst)
         assert {f"cpu_ms_per_job_{p}" for p in ("server", "workers", "client")} <= set(burst)
 
