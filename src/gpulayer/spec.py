@@ -23,6 +23,27 @@ PosInt = Annotated[int, msgspec.Meta(ge=1)]
 LAUNCHERS = ("direct", "torchrun")
 MAX_NODES = 1024
 MAX_PROCS_PER_NODE = 256
+# Sizes a spec may not pass, so that no job record (stored, listed, sent to
+# every worker that runs it) can take a server's memory. Each is far above
+# any real job's, and within what the kernel itself allows a process.
+MAX_NAME_CHARS = 256  # a job's name
+MAX_ARGV_ITEMS = 4096  # command and args together
+MAX_ARG_BYTES = 128 * 1024  # one argument or env value: Linux's MAX_ARG_STRLEN
+# command, args and env together: under the 2 MiB that execve() takes with
+# the default 8 MiB stack, leaving room for the worker's own variables.
+MAX_LAUNCH_BYTES = 1024 * 1024
+# The whole spec as JSON: a bound on what one job costs to store and to list
+# (a listing of a hundred jobs stays under a hundred MiB in the worst case).
+MAX_SPEC_BYTES = 1024 * 1024
+MAX_ENV_ITEMS = 1024
+MAX_PATH_CHARS = 4096  # a script or output path: PATH_MAX
+MAX_OUTPUTS = 1024
+MAX_INPUTS = 1024
+MAX_LABELS = 64
+MAX_LABEL_KEY_CHARS = 63
+MAX_LABEL_VALUE_CHARS = 256
+# A timeout past this (a year) is a mistake, not a job: refused at submit.
+MAX_TIMEOUT_S = 366 * 24 * 3600.0
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -71,6 +92,7 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
 
 
 _CHOICES = {"launcher": LAUNCHERS}
+_encode = msgspec.json.Encoder().encode
 _FIELD_RE = re.compile(r"at `\$\.?([^`]*)`")
 
 
@@ -117,6 +139,7 @@ def check_spec(spec: JobSpec) -> None:
             raise SpecError(f"env.{key}", "not a valid environment variable name")
     if spec.name is not None and not spec.name.strip():
         raise SpecError("name", "must not be blank")
+    _check_sizes(spec)
     if spec.nodes > MAX_NODES:
         raise SpecError("nodes", f"at most {MAX_NODES} nodes, got {spec.nodes}")
     if spec.procs_per_node > MAX_PROCS_PER_NODE:
@@ -129,6 +152,51 @@ def check_spec(spec: JobSpec) -> None:
             f"{spec.procs_per_node} ranks per node cannot each have a GPU of the {spec.gpus} "
             "asked for (gpus is per node); ask for gpus >= procs_per_node, or gpus=0 for CPU ranks",
         )
+
+
+def _check_sizes(spec: JobSpec) -> None:
+    """Every string and collection of a spec within its limit (see the MAX_ constants)."""
+    if spec.name is not None:
+        _at_most("name", len(spec.name), MAX_NAME_CHARS, "characters")
+    argv = [*(spec.command or []), *spec.args]
+    _at_most("args", len(argv), MAX_ARGV_ITEMS, "items in command and args together")
+    launch = 0
+    for field, items in (("command", spec.command or []), ("args", spec.args)):
+        for index, arg in enumerate(items):
+            size = len(arg.encode("utf-8", "surrogateescape"))
+            _at_most(f"{field}[{index}]", size, MAX_ARG_BYTES, "bytes")
+            launch += size + 1
+    _at_most("env", len(spec.env), MAX_ENV_ITEMS, "variables")
+    for key, value in spec.env.items():
+        size = len(value.encode("utf-8", "surrogateescape"))
+        _at_most(f"env.{key[:64]}", size, MAX_ARG_BYTES, "bytes")
+        launch += len(key) + size + 2
+    _at_most("env", launch, MAX_LAUNCH_BYTES, "bytes of command, args and env together")
+    if spec.script is not None:
+        _at_most("script", len(spec.script), MAX_PATH_CHARS, "characters")
+    _at_most("outputs", len(spec.outputs), MAX_OUTPUTS, "entries")
+    for index, path in enumerate(spec.outputs):
+        _at_most(f"outputs[{index}]", len(path), MAX_PATH_CHARS, "characters")
+    _at_most("inputs", len(spec.inputs), MAX_INPUTS, "entries")
+    _at_most("labels", len(spec.labels), MAX_LABELS, "entries")
+    for key, value in spec.labels.items():
+        if not key:
+            raise SpecError("labels", "a label's key must not be empty")
+        _at_most(f"labels.{key[:64]}", len(key), MAX_LABEL_KEY_CHARS, "characters in its key")
+        _at_most(f"labels.{key[:64]}", len(value), MAX_LABEL_VALUE_CHARS, "characters in its value")
+    size = len(_encode(spec))
+    _at_most("spec", size, MAX_SPEC_BYTES, "bytes of JSON for the whole spec")
+    if spec.timeout is not None and not spec.timeout <= MAX_TIMEOUT_S:
+        raise SpecError(
+            "timeout",
+            f"at most {MAX_TIMEOUT_S:.0f} s (366 days), got {spec.timeout:g}; "
+            "leave it out for no timeout",
+        )
+
+
+def _at_most(field: str, size: int, limit: int, unit: str) -> None:
+    if size > limit:
+        raise SpecError(field, f"at most {limit:,} {unit}, got {size:,}")
 
 
 def check_relative_path(field: str, path: str) -> None:

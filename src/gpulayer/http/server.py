@@ -47,7 +47,11 @@ log = logging.getLogger(__name__)
 
 
 def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
+    """Whether ``host`` names only loopback addresses. An empty host is not
+    one: the server binds it as every interface."""
+    if not host.strip():
+        return False
+    if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -93,6 +97,11 @@ class Server:
         tls_key: str | None = None,
         heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT_S,
     ) -> None:
+        if not host.strip():
+            raise GPUlayerError(
+                f"--host {host!r} is empty, which would listen on every interface; name the "
+                "address to listen on (127.0.0.1 for this machine only, 0.0.0.0 for every IPv4 one)"
+            )
         if not auth_enabled and not is_loopback(host):
             raise GPUlayerError(
                 f"refusing to listen on {host} without auth: anyone who reaches it could run code; "

@@ -24,6 +24,7 @@ from .. import defaults
 Emit = Callable[[str, str], None]  # (stream, text)
 IndexedEmit = Callable[[int, str, str], None]  # (which process, stream, text)
 _CUT = " [gpulayer: line cut at {limit} bytes]"
+_POLL_MAX_MS = 24 * 3600 * 1000  # a day: well inside poll()'s 32-bit milliseconds
 
 
 class LineSplitter:
@@ -172,7 +173,13 @@ def watch_all(
                 limits.append(w.drain_until)
             if not running and not any(w.pipes for w in watched):
                 break
-            timeout_ms = None if not limits else max(0, int((min(limits) - now) * 1000) + 1)
+            # poll() takes a 32-bit count of milliseconds (about 24.8 days): a
+            # later deadline is waited for in pieces, the loop looking again.
+            timeout_ms = (
+                None
+                if not limits
+                else min(_POLL_MAX_MS, max(0, int((min(limits) - now) * 1000) + 1))
+            )
             for fd, _ in poller.poll(timeout_ms):
                 exited = by_exit_fd.get(fd)
                 if exited is not None:
