@@ -2,17 +2,21 @@
 
 The steps, each timestamped for the job's timings:
 
-1. prepare: a fresh workspace with the bundle and inputs (``workspace.py``);
+1. prepare: a fresh workspace with the bundle and inputs (``workspace.py``),
+   made the job's user's where the worker runs jobs as another user;
 2. launch: the process, in its own session and process group, with the
-   task's GPUs visible and no others;
+   task's GPUs visible and no others, in the task's box (``containment.py``),
+   which keeps whatever it starts, however that detaches;
 3. run: this thread watches the pipes, the exit and the deadline at once
    (``watch.py``), shipping output line by line; at the timeout it ends the
-   process tree;
-4. finish: stray processes left in the group are ended, the last log lines
-   flushed, declared outputs stored, and the result reported.
+   box;
+4. finish: what the task left running gets SIGTERM as it exits, and SIGKILL
+   ``PIPE_DRAIN_S`` later; the last log lines are flushed, declared outputs
+   stored, and the result reported, with what the box used (CPU time, peak
+   memory) where it is known. Nothing of the task runs on once it is reported.
 
-Cancel and timeout end the whole process tree: SIGTERM, a grace period,
-then SIGKILL (``process.terminate_tree``).
+Cancel and timeout end the whole box: SIGTERM, a grace period, then SIGKILL
+(``process.terminate_tree``).
 
 A task of a distributed job starts its node's ranks (``launch.py``): all of
 them directly, or one torchrun agent. Node 0 reserves the master port before
@@ -35,12 +39,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
+
 from .. import defaults
 from ..artifacts import ArtifactStore
 from ..errors import ServerUnreachable
 from ..jobs import LogLine, Outcome, RunTask, TaskResult, TaskStarted
+from ..outputs import OutputLimitError
 from ..spec import ArtifactRef
 from ..transport import Transport
+from .containment import Box, Containment, TreeBox
 from .gpus import Vendor, visible_devices_env
 from .launch import (
     network_env,
@@ -52,7 +60,7 @@ from .launch import (
     torchrun_failure,
 )
 from .logs import LogSender, TaskLog
-from .process import spawn, terminate_tree
+from .process import RunAs, terminate_tree
 from .watch import watch_all
 from .workspace import collect_outputs, prepare
 
@@ -107,8 +115,12 @@ class TaskRun:
         keep: Callable[[TaskResult, list[LogLine]], None] | None = None,
         defer_started: float | None = None,
         interface: str | None = None,
+        max_output_bytes: int = defaults.MAX_OUTPUT_BYTES,
+        containment: Containment | None = None,
+        run_as: RunAs | None = None,
     ) -> None:
         self.task = task
+        self.max_output_bytes = max_output_bytes  # what its outputs may total
         self.worker_id = worker_id
         self.transport = transport
         self.logs = logs
@@ -150,6 +162,11 @@ class TaskRun:
         self._rendezvous = threading.Event()
         self._failed: tuple[int | None, int] | None = None
         self._proc_times: list[tuple[int, float]] = []
+        # Where its processes are kept, made as the first starts: a
+        # TaskRun made without a worker's containment keeps today's tree.
+        self._containment = containment
+        self._box: Box | None = None
+        self.run_as = run_as  # the Unix user the job runs as, if not the worker's
         # Its own thread, if it gets one (a task handed to the thread that
         # reported the previous one does not).
         self.thread: threading.Thread | None = None
@@ -197,10 +214,14 @@ class TaskRun:
         self._rendezvous.set()
 
     def _terminate(self, procs: list[subprocess.Popen[bytes]]) -> None:
-        """End these process trees, all at once, each with its grace period."""
+        """End these process trees, all at once, each with its grace period:
+        the whole box (every process of the task, wherever it went)."""
         for proc in procs:
             thread = threading.Thread(
-                target=terminate_tree, args=(proc,), kwargs={"grace": self.kill_grace}, daemon=True
+                target=terminate_tree,
+                args=(proc,),
+                kwargs={"grace": self.kill_grace, "box": self._box},
+                daemon=True,
             )
             thread.start()  # listed once started: _run_one joins what it lists
             self._terminators.append(thread)
@@ -267,6 +288,7 @@ class TaskRun:
             for terminator in self._terminators:
                 # Report "cancelled" only once the whole tree is gone.
                 terminator.join()
+            result = self._with_usage(result)
             if self._port_sock is not None:
                 self._port_sock.close()
             self.logs.close_task(tasklog)
@@ -303,6 +325,24 @@ class TaskRun:
             _successor.open = False
             self.on_done(self)
 
+    def _with_usage(self, result: TaskResult) -> TaskResult:
+        """``result``, once nothing of the task runs any more, with what its
+        processes used where that is known. Also kept in its marks, which the
+        control plane stores with the job whatever it knows of results."""
+        if self._box is None:
+            return result
+        usage = self._box.close()
+        if usage.cpu_s is None and usage.peak_memory is None:
+            return result
+        marks = dict(result.marks)
+        if usage.cpu_s is not None:
+            marks["cpu_s"] = usage.cpu_s
+        if usage.peak_memory is not None:
+            marks["peak_memory"] = float(usage.peak_memory)
+        return msgspec.structs.replace(
+            result, cpu_s=usage.cpu_s, peak_memory=usage.peak_memory, marks=marks
+        )
+
     def _launch(self) -> None:
         """Prepare the workspace and start the process(es), unless ended first."""
         spec = self.task.spec
@@ -317,8 +357,15 @@ class TaskRun:
                         task.job_id, task.attempt, self.worker_id, port
                     )
                 )
-        ws = prepare(self.task, self.dir, self.transport, self.cache)
+        # A job run as another user cannot write the cache's blobs: they may
+        # be hard links, read-only to it, rather than copies.
+        ws = prepare(
+            self.task, self.dir, self.transport, self.cache, link_blobs=self.run_as is not None
+        )
         self._cwd = ws.cwd
+        if self.run_as is not None:
+            torchrun = spec.distributed and spec.launcher == "torchrun"
+            self.run_as.give(ws.cwd, *([self.dir / "torchrun"] if torchrun else []))
         argv = (
             [sys.executable, spec.script, *spec.args]
             if spec.script
@@ -328,6 +375,8 @@ class TaskRun:
         # encoding it back for every task cost more than the rest of the launch.
         env = self.base_env.copy()
         env.setdefault(b"PYTHONUNBUFFERED", b"1")  # logs arrive as printed, not at exit
+        if self.run_as is not None:
+            env.update(self.run_as.env())
         for extra in (
             spec.env,
             ws.env,
@@ -355,7 +404,9 @@ class TaskRun:
         """Start one of the task's processes, noting its pid and start time
         (the clock just before the spawn, as process.spawn says)."""
         at = time.time()
-        proc = spawn(argv, cwd=cwd, env=env)
+        if self._box is None:
+            self._box = TreeBox() if self._containment is None else self._containment.box()
+        proc = self._box.spawn(argv, cwd=cwd, env=env, run_as=self.run_as)
         self._procs.append(proc)
         self._proc_times.append((proc.pid, at))
 
@@ -404,8 +455,8 @@ class TaskRun:
             raise
 
     def _supervise(self, tasklog: TaskLog) -> TaskResult:
-        procs = self._procs
-        assert procs
+        procs, box = self._procs, self._box
+        assert procs and box is not None
         spec = self.task.spec
         started = TaskStarted(
             job_id=self.task.job_id,
@@ -468,16 +519,24 @@ class TaskRun:
             else time.monotonic() + self.defer_started,
             on_still_running=report_started,
             on_exit=on_exit,
+            rest=box.signal_rest,
         )
         self.marks["exited"] = max(exited for _, exited in ended)
+        # What it left got SIGTERM as it exited: until PIPE_DRAIN_S after
+        # that to leave, then SIGKILL. Before its outputs are read, and its
+        # GPUs offered again.
+        box.end(max(0.0, self.marks["exited"] + defaults.PIPE_DRAIN_S - time.time()))
+        refused = None
         if self.task.node == 0:
-            outputs, missing = self._collect_outputs()
+            outputs, missing, refused = self._collect_outputs()
         else:  # a distributed job's outputs are rank 0's, on node 0
             outputs, missing = {}, []
         with self._lock:
             ending = self._ending
         rank, code = self._decide([code for code, _ in ended])
         fields: dict[str, object] = {}
+        if refused is not None:  # it fails, with why, whatever its exit code
+            ending, fields["error"] = ending or "error", refused
         if rank is not None:
             fields["rank"] = rank
             if rank in rank_tails:
@@ -497,13 +556,22 @@ class TaskRun:
         failed = [(rank, code) for rank, code in zip(self._ranks, codes, strict=True) if code]
         return failed[0] if failed else (None, codes[0])
 
-    def _collect_outputs(self) -> tuple[dict[str, ArtifactRef], list[str]]:
-        """Store the declared outputs, waiting out a server that is away."""
+    def _collect_outputs(self) -> tuple[dict[str, ArtifactRef], list[str], str | None]:
+        """Store the declared outputs, waiting out a server that is away.
+        The third value: why none were stored (over the size limit), if so."""
         backoff = 0.05
         deadline = time.monotonic() + defaults.OUTPUT_UPLOAD_PATIENCE_S
         while True:
             try:
-                return collect_outputs(self.task.spec.outputs, self._cwd, self.transport)
+                found, missing = collect_outputs(
+                    self.task.spec.outputs,
+                    self._cwd,
+                    self.transport,
+                    max_bytes=self.max_output_bytes,
+                )
+                return found, missing, None
+            except OutputLimitError as exc:
+                return {}, [], str(exc)
             except ServerUnreachable:
                 if time.monotonic() > deadline:
                     raise

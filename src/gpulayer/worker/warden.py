@@ -11,8 +11,10 @@ So a worker process forks a warden as it starts, before it has a thread: a
 process that only waits on a pipe whose one writer is the worker, and never
 written to. The pipe reads end-of-file once the worker is gone, however it
 went. The warden then ends every process tree the worker's ledger lists as
-running (still the same process: pid and start time agree), says so on the
-worker's stderr, unregisters the worker (so its jobs go elsewhere now, not
+running (still the same process: pid and start time agree), and everything
+the worker's containment kept of its tasks (with cgroups: every process in
+a task's cgroup, daemons that left the tree included, and what the last
+spawn had not yet moved into one), says so on the worker's stderr, unregisters the worker (so its jobs go elsewhere now, not
 after the heartbeat timeout), and exits. A worker that stopped normally
 removed its ledger: its warden does nothing. One whose task outlived the
 stop's wait left it: the warden ends that task.
@@ -42,6 +44,7 @@ from pathlib import Path
 
 from .. import defaults
 from ..errors import AccessDenied, ServerUnreachable, WorkerError
+from .containment import Containment
 from .ledger import Ledger, listed_tasks
 from .process import KILL_WAIT_S, end_orphans
 
@@ -69,11 +72,13 @@ class Warden:
         *,
         grace: float,
         goodbye: Callable[[str, str | None], None] | None = None,
+        containment: Containment | None = None,
     ) -> None:
         """``goodbye(worker_id, generation)``, run in the warden once it has
         ended what the worker left, tells the control plane the worker is
         gone, on a connection of its own (it is another process); for that
-        registration only, if the ledger has its number."""
+        registration only, if the ledger has its number. ``containment``:
+        the worker's, whose boxes the warden ends too."""
         if threading.active_count() > 1:
             # A fork copies only the calling thread: a lock another thread
             # held stays held in the child forever.
@@ -83,7 +88,7 @@ class Warden:
         ledger.set_warden_time(grace + KILL_WAIT_S + defaults.WARDEN_GOODBYE_TIMEOUT_S)
         read_end, write_end = os.pipe()
         try:
-            pid = self._fork(read_end, ledger, grace, goodbye)
+            pid = self._fork(read_end, ledger, grace, goodbye, containment)
         except BaseException:
             os.close(read_end)
             os.close(write_end)
@@ -98,6 +103,7 @@ class Warden:
         ledger: Ledger,
         grace: float,
         goodbye: Callable[[str, str | None], None] | None,
+        containment: Containment | None,
     ) -> int:
         """The warden's pid; in the warden itself, never returns."""
         if min(read_end, ledger.lock_fd) <= 2:
@@ -114,7 +120,7 @@ class Warden:
             if pid == 0:  # the warden; it never returns
                 code = 0
                 try:
-                    _watch(read_end, ledger, grace, worker, goodbye, mask)
+                    _watch(read_end, ledger, grace, worker, goodbye, mask, containment)
                 except BaseException as exc:
                     _say(f"gpulayer: the warden of worker process {worker} failed: {exc!r}\n")
                     code = 1
@@ -162,6 +168,7 @@ def _watch(
     worker: int,
     goodbye: Callable[[str, str | None], None] | None,
     mask: set[int | signal.Signals],
+    containment: Containment | None = None,
 ) -> None:
     # Objects the worker made stay as they are: a cycle collected here could
     # close a descriptor whose number this process has since reused.
@@ -187,8 +194,18 @@ def _watch(
         pass  # nothing is written: only the end counts
     if not ledger.dir.exists():
         return  # the worker stopped, and tidied up: it has said goodbye itself
+    # The boxes first (all of a task, daemons included; one grace for all),
+    # then whatever listed process no box held (none, with cgroups).
+    ended = 0
+    if containment is not None:
+        try:
+            ended = containment.end_left(grace)
+        except Exception as exc:  # the ledger's trees and the goodbye still go
+            _say(
+                f"gpulayer: the warden of worker process {worker} could not end its boxes: {exc!r}\n"
+            )
     listed = listed_tasks(ledger.dir)
-    ended = end_orphans(listed, grace=grace) if listed else 0
+    ended = max(ended, end_orphans(listed, grace=grace) if listed else 0)
     if ended:
         _say(
             f"gpulayer: worker process {worker} is gone; its warden ended the "

@@ -114,6 +114,7 @@ def watch_all(
     still_running_at: float | None = None,
     on_still_running: Callable[[], None] | None = None,
     on_exit: Callable[[int, int], None] | None = None,
+    rest: Callable[[signal.Signals, frozenset[int]], None] | None = None,
 ) -> list[tuple[int, float]]:
     """Ship the output of every process in ``procs`` (the ranks of a task, or
     its one process) to ``emit(index, stream, text)`` until each has exited
@@ -125,6 +126,11 @@ def watch_all(
     ``on_still_running`` once at ``still_running_at`` if any has not exited by
     then. Processes a task leaves behind in its process group get SIGTERM when
     it exits, and SIGKILL if they keep its pipes open past ``PIPE_DRAIN_S``.
+
+    ``rest(signal, told_groups)`` reaches all the task's processes, wherever
+    they went (its containment's box): once the last process has exited it
+    gets the SIGTERM, to all but the groups told already as theirs exited,
+    and the SIGKILL.
     """
     watched = [_Watched(i, proc) for i, proc in enumerate(procs)]
     splitters: dict[int, tuple[_Watched, LineSplitter]] = {}
@@ -144,6 +150,17 @@ def watch_all(
         by_exit_fd[w.exit_fd] = w
         poller.register(w.exit_fd, select.POLLIN)
     running = len(watched)
+    told: set[int] = set()  # the groups sent SIGTERM as their leader exited
+
+    def end_rest(w: _Watched, sig: signal.Signals) -> None:
+        if rest is not None and not running:
+            rest(sig, frozenset(told))
+            return
+        with contextlib.suppress(ProcessLookupError):  # nothing was left in the group
+            os.killpg(w.proc.pid, sig)
+        if sig == signal.SIGTERM:
+            told.add(w.proc.pid)
+
     try:
         while running or any(w.pipes for w in watched):
             now = time.monotonic()
@@ -167,8 +184,7 @@ def watch_all(
                             splitters[fd][1].close()
                         w.pipes.clear()
                         continue
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(w.proc.pid, signal.SIGKILL)
+                    end_rest(w, signal.SIGKILL)
                     w.killed, w.drain_until = True, now + defaults.PIPE_DRAIN_S
                 limits.append(w.drain_until)
             if not running and not any(w.pipes for w in watched):
@@ -187,9 +203,7 @@ def watch_all(
                     exited.exited_at = time.time()
                     running -= 1
                     poller.unregister(fd)
-                    # The usual case raises: nothing was left in the group.
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(exited.proc.pid, signal.SIGTERM)
+                    end_rest(exited, signal.SIGTERM)
                     exited.drain_until = time.monotonic() + defaults.PIPE_DRAIN_S
                     if on_exit is not None:
                         on_exit(exited.index, code)

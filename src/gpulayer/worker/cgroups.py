@@ -1,0 +1,591 @@
+"""A cgroup v2 per task: what it starts is born in it, and ends with it.
+
+Layout, under the cgroup the worker process was started in::
+
+    gpulayer-<pid>-<start>/    one per worker process (its pid and start time)
+        worker/                the worker process and its warden
+        t<n>/                  one task's processes, and all they start
+
+A task's first process starts in its parent's cgroup: Python cannot start it
+elsewhere (it has no ``CLONE_INTO_CGROUP``), and a ``preexec_fn`` would cost
+the fast vfork path of every spawn. So the process is moved into its task's
+cgroup just after it starts. Whatever it started before that move was born
+in ``worker/``, where nothing else of the worker's is outside the worker's
+session (each task starts a session of its own, and can never come back to
+the worker's): once it is moved, every such process born since its start is
+swept into the task's cgroup too, before the next task's process may start.
+
+Ending a task: SIGTERM to each process in its cgroup, the grace period, then
+``cgroup.kill``, waiting on ``cgroup.events`` for it to be empty. The
+cgroup then gives the task's CPU time (``cpu.stat``); its peak memory comes
+from v2's memory controller where the worker's cgroup delegates it, else
+from v1's beside it where there is one the worker may use. An empty task
+cgroup is kept for the next task (its counters read again at the start):
+making and removing one per task cost more than the rest together.
+
+A worker that dies leaves its cgroups to its warden, which ends every task's
+and removes them; where the warden died too, the next worker process
+started in the same place removes what a dead worker left (its pid and
+start time say whether it is dead; a populated ``worker/`` that its warden
+is still at work).
+
+Moving a process is what costs: the kernel waits for an RCU grace period
+(some 10 ms) when moves are rare, unless the cgroup2 mount has the
+``favordynmods`` option; the launching thread waits, not the CPU, and the
+task's process runs meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import select
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ..errors import WorkerError
+from .containment import (
+    CGROUP,
+    SPAWN_LOCK,
+    Box,
+    Containment,
+    Unavailable,
+    Usage,
+    proc_stat,
+    ticks_now,
+)
+from .process import KILL_WAIT_S, RunAs, spawn
+
+log = logging.getLogger(__name__)
+
+# How long the sweep of what a task's process started before its move may
+# take (a fork storm racing it), and after how many rounds of moves what is
+# left is killed instead. One round: some 30 us, measured.
+_SWEEP_TIMEOUT_S = 1.0
+_SWEEP_MOVE_ROUNDS = 10
+# How long a stopping worker process waits for its warden to leave their
+# cgroup, so that it can remove it.
+_RELEASE_WAIT_S = 1.0
+# Empty task cgroups kept for the next tasks.
+_POOL_MAX = 16
+
+
+class CgroupContainment(Containment):
+    """A cgroup per task, under one for the worker process (see the module)."""
+
+    kind = CGROUP
+
+    def __init__(
+        self, base: Path, path: str, root: Path, memory: Path | None, has_kill: bool
+    ) -> None:
+        self.base = base  # where the worker process was, and goes back to
+        self.root = root
+        self.hierarchy_path = f"{path.rstrip('/')}/{root.name}"  # as /proc/<pid>/cgroup says
+        self.spawner = root / "worker"  # the worker process: where its children start
+        self.memory = memory  # the v1 memory controller's cgroup for it, if any
+        self.has_kill = has_kill
+        self.v2_memory = "memory" in (root / "cgroup.subtree_control").read_text().split()
+        self._numbers = itertools.count(1)
+        self._lock = threading.Lock()
+        # Empty task cgroups, each with its v1 memory one and its CPU time so far.
+        self._free: list[tuple[Path, Path | None, float]] = []
+
+    @classmethod
+    def make(cls) -> CgroupContainment:
+        """Set up in the cgroup this process is in, and move it to ``worker/``."""
+        try:
+            path, _ = _own_cgroup()
+            base = _mount_of("cgroup2", path)
+        except OSError as exc:
+            raise Unavailable(f"cannot read this process's cgroups: {exc}") from None
+        if base is None:
+            raise Unavailable(f"no cgroup2 mount holds this process's cgroup {path}")
+        _sweep_stale(base)
+        name = f"gpulayer-{os.getpid()}-{proc_stat('self').start}"
+        root = base / name
+        try:
+            root.mkdir()
+        except OSError as exc:
+            raise Unavailable(f"cannot make a cgroup in {base}: {exc.strerror}") from None
+        try:
+            (root / "worker").mkdir()
+            controllers = (root / "cgroup.controllers").read_text().split()
+            if "memory" in controllers:  # delegated to us: the tasks' peak memory
+                with contextlib.suppress(OSError):
+                    _write(root / "cgroup.subtree_control", "+memory")
+            _write(root / "worker" / "cgroup.procs", "0")  # this process, all its threads
+        except OSError as exc:
+            _remove(root)
+            raise Unavailable(f"cannot move the worker into {root}: {exc.strerror}") from None
+        memory = None if "memory" in controllers else _v1_memory(name)
+        return cls(base, path, root, memory, (root / "cgroup.kill").exists())
+
+    def box(self) -> Box:
+        with self._lock:
+            free = self._free.pop() if self._free else None
+        if free is not None:
+            path, memory, cpu = free
+            return CgroupBox(self, path, memory, cpu_before=cpu)
+        path = self.root / f"t{next(self._numbers)}"
+        path.mkdir()
+        memory = None
+        if self.memory is not None:
+            memory = self.memory / path.name
+            try:
+                memory.mkdir()
+            except OSError:
+                memory = None  # its peak memory is then unknown
+        return CgroupBox(self, path, memory)
+
+    def _done_with(self, box: CgroupBox, cpu: float | None) -> None:
+        """An ended task's cgroup: kept for another, or removed."""
+        with self._lock:
+            if cpu is not None and not self.v2_memory and len(self._free) < _POOL_MAX:
+                self._free.append((box.path, box.memory, cpu))  # (v2's peak stays: not kept)
+                return
+        _remove(box.path)
+        if box.memory is not None:
+            _remove(box.memory)
+
+    def place(self, box: CgroupBox, pid: int, since: int) -> None:
+        """Move the task's new process into its box, then what it started
+        before the move (see the module)."""
+        box.move(pid)
+        me, session = os.getpid(), os.getsid(0)
+        deadline = time.monotonic() + _SWEEP_TIMEOUT_S
+        for rounds in itertools.count(1):
+            strays = []
+            for stray in _pids_here(self.spawner):
+                if stray == me:
+                    continue
+                try:
+                    if os.getsid(stray) == session or proc_stat(stray).start < since:
+                        continue  # the worker's own (its warden), or older than the task
+                except (ProcessLookupError, FileNotFoundError):
+                    continue
+                strays.append(stray)
+            if not strays:
+                return
+            for stray in strays:
+                if rounds <= _SWEEP_MOVE_ROUNDS:
+                    box.move(stray)
+                else:  # forking faster than it is moved: it does not run on
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(stray, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    f"the processes a task started could not be kept in {box.path} within "
+                    f"{_SWEEP_TIMEOUT_S:g} s"
+                )
+
+    def end_left(self, grace: float) -> int:
+        """In the warden of a dead worker: end every task's cgroup at once,
+        one grace for all, and what its last spawn had not yet moved into
+        one; then remove the worker's cgroups."""
+        me, session = os.getpid(), os.getsid(0)
+        unplaced = [
+            pid
+            for pid in _pids_here(self.spawner)
+            if pid != me and _session_of(pid) not in (session, None)
+        ]
+        for pid in unplaced:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        held = [CgroupBox(self, path, None) for path in self._task_dirs() if _populated(path)]
+        for box in held:
+            box.signal_rest(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for box in held:
+            _wait_empty(box.path, max(0.0, deadline - time.monotonic()))
+        for pid in unplaced:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for box in held:
+            box.end(0.0)
+        self._close()  # the warden leaves the worker's cgroup, and removes it
+        return len(held) + (1 if unplaced else 0)
+
+    def _task_dirs(self) -> list[Path]:
+        try:
+            return [e for e in self.root.iterdir() if e.is_dir() and e.name != "worker"]
+        except OSError:
+            return []
+
+    def _close(self, leaving: Sequence[int] = ()) -> None:
+        """Go back to where the worker process was, and remove the cgroups,
+        once the processes ``leaving`` have left ``worker/``. Another
+        process still there (a warden at work, as a start failed; one the
+        worker's program started) removes them, or the next worker's sweep."""
+        try:
+            _write(self.base / "cgroup.procs", "0")
+        except OSError as exc:
+            log.warning("cannot move the worker back to %s: %s", self.base, exc.strerror)
+            return
+        quiet = True
+        if not set(leaving) & set(_pids_here(self.spawner)) or _wait_left(
+            self.spawner, set(leaving), _RELEASE_WAIT_S
+        ):
+            quiet = bool(_pids_here(self.spawner))
+        _remove(self.root, quiet=quiet)
+        if self.memory is not None:
+            _remove(self.memory, quiet=quiet)
+
+
+class CgroupBox(Box):
+    def __init__(
+        self,
+        owner: CgroupContainment,
+        path: Path,
+        memory: Path | None,
+        *,
+        cpu_before: float | None = None,
+    ) -> None:
+        """``cpu_before``: a cgroup kept from earlier tasks, and the CPU time
+        they used (its counters count from here on)."""
+        super().__init__()
+        self._owner = owner
+        self.path = path
+        self.hierarchy_path = f"{owner.hierarchy_path}/{path.name}"  # as /proc/<pid>/cgroup says
+        self.memory = memory
+        self._procs = f"{path}/cgroup.procs"
+        self._memory_procs = None if memory is None else f"{memory}/cgroup.procs"
+        self._done = False
+        self._empty = False  # found so once ended: nothing in it can start anything
+        self._cpu_before = cpu_before or 0.0
+        if cpu_before is not None and memory is not None:
+            with contextlib.suppress(OSError):
+                _write(memory / "memory.max_usage_in_bytes", "0")
+
+    def move(self, pid: int) -> None:
+        """Put process ``pid`` (all its threads) in this box. The v1 memory
+        cgroup first: a child forked in between is then still in the v2
+        cgroup it came from, and swept from there into both."""
+        try:
+            if self._memory_procs is not None:
+                with contextlib.suppress(OSError):  # its memory is then unknown
+                    _write(self._memory_procs, str(pid))
+            _write(self._procs, str(pid))
+        except ProcessLookupError:
+            pass  # exited already: nothing of it to keep
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: Path,
+        env: Mapping[bytes, bytes],
+        run_as: RunAs | None = None,
+    ) -> subprocess.Popen[bytes]:
+        with SPAWN_LOCK:
+            since = ticks_now()
+            proc = spawn(argv, cwd=cwd, env=env, run_as=run_as)
+            try:
+                self._owner.place(self, proc.pid, since)
+            except BaseException:
+                kill_all(self.path, has_kill=self._owner.has_kill)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                for pipe in (proc.stdout, proc.stderr):
+                    if pipe is not None:
+                        pipe.close()
+                raise
+        return proc
+
+    def signal_rest(self, sig: signal.Signals, skip_groups: frozenset[int] = frozenset()) -> None:
+        if not _populated(self.path):  # the usual case as a task's last process exits
+            return
+        if sig == signal.SIGKILL and not skip_groups:
+            kill_all(self.path, has_kill=self._owner.has_kill)
+            return
+        for pid in _pids(self.path):
+            if sig == signal.SIGTERM and pid in self._told:
+                continue
+            told = _signal_member(pid, sig, self.hierarchy_path, skip_groups)
+            if told and sig == signal.SIGTERM:
+                self._told.add(pid)
+
+    def _end(self, grace: float) -> None:
+        if not _populated(self.path):  # the usual case: the task left nothing
+            self._empty = True
+            return
+        self.signal_rest(signal.SIGTERM)
+        if _wait_empty(self.path, grace):
+            self._empty = True
+            return
+        kill_all(self.path, has_kill=self._owner.has_kill)
+        self._empty = _wait_empty(self.path, KILL_WAIT_S)
+        if not self._empty:
+            log.warning("processes of %s survived SIGKILL: %s", self.path, _pids(self.path))
+
+    def _close(self) -> Usage:
+        total = self._cpu_total()
+        usage = Usage(
+            cpu_s=None if total is None else max(0.0, total - self._cpu_before),
+            peak_memory=self._peak(),
+        )
+        if not self._done:
+            self._done = True
+            if self._empty:
+                self._owner._done_with(self, total)
+            else:  # survived SIGKILL (stuck in the kernel): not for another task
+                log.warning("leaving %s: it still holds processes", self.path)
+        return usage
+
+    def _cpu_total(self) -> float | None:
+        with contextlib.suppress(OSError, ValueError):
+            for line in _read(f"{self.path}/cpu.stat").splitlines():
+                key, _, value = line.partition(b" ")
+                if key == b"usage_usec":
+                    return int(value) / 1e6
+        return None
+
+    def _peak(self) -> int | None:
+        files = [f"{self.path}/memory.peak"] if self._owner.v2_memory else []
+        if self.memory is not None:
+            files.append(f"{self.memory}/memory.max_usage_in_bytes")
+        for file in files:
+            with contextlib.suppress(OSError, ValueError):
+                return int(_read(file))
+        return None
+
+
+def kill_all(cgroup: Path, *, has_kill: bool) -> None:
+    """SIGKILL to everything in ``cgroup``, at once where the kernel can
+    (5.14 and later), else to each process until none is left."""
+    if has_kill:
+        with contextlib.suppress(OSError):  # gone, or being removed: nothing to kill
+            _write(cgroup / "cgroup.kill", "1")
+        return
+    for _ in range(100):  # each round kills all there are; forks race it
+        pids = _pids(cgroup)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _signal_member(pid: int, sig: signal.Signals, cgroup: str, skip_groups: frozenset[int]) -> bool:
+    """Signal ``pid``, listed in ``cgroup`` (its hierarchy path), if it is
+    still there: through a pidfd taken first, so that a pid reused since the
+    listing is never signalled."""
+    try:
+        if skip_groups and os.getpgid(pid) in skip_groups:
+            return False
+        fd = os.pidfd_open(pid)
+    except (ProcessLookupError, OSError):
+        return False
+    try:
+        with open(f"/proc/{pid}/cgroup", "rb") as file:
+            if f"0::{cgroup}\n".encode() not in file.read():
+                return False  # not the process listed: another has its pid now
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path | str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path | str) -> bytes:
+    """A small cgroup file, whole (no Python file object: read per task)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 65536)
+    finally:
+        os.close(fd)
+
+
+def _pids_here(cgroup: Path) -> list[int]:
+    """The processes in ``cgroup`` itself."""
+    chunks = []
+    try:
+        fd = os.open(f"{cgroup}/cgroup.procs", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            while chunk := os.read(fd, 65536):  # a cgroup of many processes takes more reads
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+    except OSError:  # gone (ENOENT), or being removed (ENODEV): nothing in it
+        return []
+    return [int(pid) for pid in b"".join(chunks).split()]
+
+
+def _pids(cgroup: Path) -> list[int]:
+    """The processes in ``cgroup`` and in any cgroup under it (a job that
+    runs as the worker's user could make some)."""
+    found: list[int] = []
+    for top, _dirs, _files in os.walk(cgroup):
+        found.extend(_pids_here(Path(top)))
+    return found
+
+
+def _session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _populated(cgroup: Path) -> bool:
+    try:
+        return b"populated 1" in _read(f"{cgroup}/cgroup.events")
+    except OSError:  # gone, or being removed
+        return False
+
+
+def _wait_empty(cgroup: Path, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for ``cgroup`` to hold no process; whether it
+    does. A change of ``cgroup.events`` wakes a poll: nothing is polled on a
+    timer."""
+    try:
+        fd = os.open(cgroup / "cgroup.events", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # gone, or being removed
+        return True
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLPRI | select.POLLERR)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if b"populated 0" in os.pread(fd, 4096, 0):
+                    return True
+            except OSError:  # removed meanwhile: empty, then
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            poller.poll(remaining * 1000 + 1)
+    finally:
+        os.close(fd)
+
+
+def _wait_left(cgroup: Path, pids: set[int], timeout: float) -> bool:
+    """Wait up to ``timeout`` s for processes ``pids`` to leave ``cgroup``
+    (their exit changes ``cgroup.events`` only once the last one left)."""
+    deadline = time.monotonic() + timeout
+    while pids & set(_pids_here(cgroup)):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)  # polled with a deadline: a warden exits within milliseconds
+    return True
+
+
+def _remove(cgroup: Path, *, quiet: bool = False) -> None:
+    """Remove an empty cgroup and the empty ones under it. ``quiet``: one
+    still in use (by a warden at work) is for it to remove."""
+    for top, _dirs, _files in os.walk(cgroup, topdown=False):
+        try:
+            os.rmdir(top)
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # removed meanwhile (by the warden, or the worker)
+        except OSError as exc:
+            if exc.errno == errno.ENODEV:
+                continue  # being removed by another
+            if not quiet:
+                log.warning("cannot remove cgroup %s: %s", top, exc.strerror)
+            return
+
+
+def _own_cgroup() -> tuple[str, str | None]:
+    """This process's cgroup v2 path, and its v1 memory one (if any)."""
+    unified, memory = "", None
+    with open("/proc/self/cgroup") as file:
+        for line in file:
+            number, controllers, path = line.rstrip("\n").split(":", 2)
+            if number == "0" and not controllers:
+                unified = path
+            elif "memory" in controllers.split(","):
+                memory = path
+    if not unified:
+        raise Unavailable("this process is in no cgroup v2 hierarchy")
+    return unified, memory
+
+
+def _mount_of(fstype: str, path: str, option: str | None = None) -> Path | None:
+    """The directory of cgroup ``path`` where its hierarchy (of ``fstype``,
+    with super option ``option``) is mounted; None if it is not."""
+    with open("/proc/self/mountinfo") as file:
+        for line in file:
+            left, _, right = line.partition(" - ")
+            fields, rest = left.split(), right.split()
+            if len(fields) < 5 or len(rest) < 3 or rest[0] != fstype:
+                continue
+            if option is not None and option not in rest[2].split(","):
+                continue
+            root, point = fields[3], fields[4]
+            if root == "/":
+                inside = path
+            elif path == root or path.startswith(root + "/"):
+                inside = path[len(root) :]
+            else:
+                continue
+            return Path(point + inside.rstrip("/")) if inside.strip("/") else Path(point)
+    return None
+
+
+def _v1_memory(name: str) -> Path | None:
+    """A cgroup of v1's memory controller for the tasks' peak memory, where
+    v2 has none and the worker may make one; None if not."""
+    try:
+        _, path = _own_cgroup()
+        base = None if path is None else _mount_of("cgroup", path, "memory")
+        if base is None:
+            return None
+        _sweep_stale(base, v1=True)
+        root = base / name
+        root.mkdir()
+    except (OSError, Unavailable, ValueError):
+        return None
+    return root
+
+
+def _owner_alive(name: str) -> bool | None:
+    """Whether the worker process a ``gpulayer-<pid>-<start>`` cgroup is
+    named for still runs; None if the name is not one of ours."""
+    try:
+        _, pid, start = name.split("-")
+        started = int(start)
+        return proc_stat(int(pid)).start == started
+    except ValueError:
+        return None
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _sweep_stale(base: Path, *, v1: bool = False) -> None:
+    """Remove what dead worker processes left in ``base``: their tasks'
+    cgroups (ending what is still in them) and their own. One whose
+    ``worker/`` still holds a process is left: its warden is at work."""
+    try:
+        entries = [e for e in base.iterdir() if e.name.startswith("gpulayer-") and e.is_dir()]
+    except OSError:
+        return
+    for entry in entries:
+        if _owner_alive(entry.name) is not False:
+            continue
+        if not v1:
+            if _populated(entry / "worker"):
+                continue
+            for task in entry.iterdir():
+                if task.is_dir() and task.name != "worker" and _populated(task):
+                    log.warning("ending the processes a dead worker's task left in %s", task)
+                    kill_all(task, has_kill=(task / "cgroup.kill").exists())
+                    _wait_empty(task, KILL_WAIT_S)
+        _remove(entry)
