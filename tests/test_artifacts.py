@@ -163,11 +163,21 @@ def test_concurrent_writers_of_one_digest_all_succeed(store: ArtifactStore, tmp_
     assert blobs(store) == [store.path(sha(data))] and leftovers(store) == []
 
 
-def test_materialize_hard_links_read_only(store: ArtifactStore, tmp_path: Path) -> None:
+def test_materialize_is_private_unless_linking_is_asked(
+    store: ArtifactStore, tmp_path: Path
+) -> None:
     d = store.put_bytes(b"blob")
     dest = tmp_path / "out"
     store.materialize(d, dest)
     assert dest.read_bytes() == b"blob"
+    # Its own file: its owner may chmod and edit it, and the blob stays as it was.
+    assert dest.stat().st_ino != store.path(d).stat().st_ino
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o444
+    dest.chmod(0o644)
+    dest.write_bytes(b"edited")
+    assert store.read_bytes(d) == b"blob"
+    dest.unlink()
+    store.materialize(d, dest, link=True)  # for a reader who cannot write the blob
     assert dest.stat().st_ino == store.path(d).stat().st_ino
     assert stat.S_IMODE(dest.stat().st_mode) == 0o444
     # An existing file at dest is replaced, not written through.

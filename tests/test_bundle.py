@@ -366,10 +366,16 @@ def test_materialize_round_trip(tmp_path: Path, store: ArtifactStore) -> None:
     assert not shares_blob("a.py") and not shares_blob("tool")
     (dest / "a.py").write_bytes(b"edited by the job")
     assert store.read_bytes(sha(b"a")) == b"a"
-    # Large files: a clone (private) where the filesystem can, else a read-only link.
+    # Large files: private too (a clone where the filesystem can, else a copy),
+    # with their own mode: the job's user may edit them, never the blob.
+    assert not shares_blob("data.bin") and mode("data.bin") == 0o644
+    # Linked read-only to the blob only when asked (a reader who cannot write
+    # the blob), and then still cloned where the filesystem can.
+    linked = tmp_path / "linked"
+    bundle.materialize(bundle.load(store, digest), linked, store.path, link_blobs=True)
     can_clone = artifacts_mod.clone_file(root / "a.py", tmp_path / "probe", 0o644)
-    assert shares_blob("data.bin") is not can_clone
-    assert mode("data.bin") == (0o644 if can_clone else 0o444)
+    big_ino = (linked / "data.bin").stat().st_ino
+    assert (big_ino == store.path(sha(big)).stat().st_ino) is not can_clone
 
 
 def test_materialize_refuses_a_non_empty_dest(tmp_path: Path, store: ArtifactStore) -> None:

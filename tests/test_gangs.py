@@ -151,7 +151,7 @@ def test_a_lost_node_retries_the_whole_gang(plane: ControlPlane) -> None:
 
 
 def test_success_takes_node_0s_outputs(plane: ControlPlane) -> None:
-    job_id, _, _, w0, w1 = gang(plane)
+    job_id, _, _, w0, w1 = gang(plane, outputs=["model.pt"])
     plane.task_finished(result(job_id, w1, 1, outcome="exited", exit_code=0))
     outputs = {"model.pt": ArtifactRef(kind="file", digest="a" * 64, size=1)}
     plane.task_finished(result(job_id, w0, 0, outcome="exited", exit_code=0, outputs=outputs))

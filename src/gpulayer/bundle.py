@@ -231,6 +231,23 @@ def _escapes(link: str, target: str, links: dict[str, str]) -> bool:
     return False
 
 
+def links_out(links: dict[str, str]) -> set[str]:
+    """Those of the symlinks ``links`` (path -> target) that point outside
+    their root, resolved through one another as :func:`validate` does; also
+    once those are left out (a link through one of them then leads nowhere)."""
+    inside = dict(links)
+    out: set[str] = set()
+    while True:
+        escaping = {
+            p for p, t in inside.items() if not t or t.startswith("/") or _escapes(p, t, inside)
+        }
+        if not escaping:
+            return out
+        out |= escaping
+        for p in escaping:
+            del inside[p]
+
+
 def validate(manifest: Manifest) -> None:
     """Refuse any entry that could write, or point, outside the directory it unpacks into.
 
@@ -333,25 +350,37 @@ def load(source: ArtifactStore | Callable[[str], bytes], digest: str) -> Manifes
 # -- materialize -----------------------------------------------------------------
 
 
-def _place(src: str, dst: str, entry: Entry, private: bool) -> None:
-    # See defaults.LINK_MIN_BYTES for why small files are copied and large ones linked.
+def _place(src: str, dst: str, entry: Entry, link_blobs: bool) -> None:
+    # See defaults.LINK_MIN_BYTES for why small files are copied, large ones
+    # cloned, and linked only where the reader cannot write the blob.
     mode = entry.mode & 0o777
-    if not private and entry.size >= defaults.LINK_MIN_BYTES:
+    if entry.size >= defaults.LINK_MIN_BYTES:
         if clone_file(src, dst, mode):
             return
-        if not mode & 0o111 and hard_link(src, dst):
+        if link_blobs and not mode & 0o111 and hard_link(src, dst):
             return
     copy_file(src, dst, mode)
 
 
 def materialize(
-    manifest: Manifest, dest: Path, blob_path: Callable[[str], Path], *, private: bool = False
+    manifest: Manifest,
+    dest: Path,
+    blob_path: Callable[[str], Path],
+    *,
+    link_blobs: bool = False,
 ) -> None:
     """Lay the bundle out in ``dest``, a new or empty directory.
 
     Every entry is validated before anything is written. Directories are
     created first (0755), then files, and symlinks last, so no write ever
     goes through a link the bundle made, even on a case-insensitive disk.
+
+    Each file is private to ``dest``'s user (a copy, or a clone of 1 MiB and
+    more where the filesystem can), who may edit it without changing the
+    blob. ``link_blobs`` hard-links large files to their blobs instead where
+    no clone is possible: only for a reader who cannot write the blobs (a
+    job run as another Unix user than theirs), or an edit in place would
+    change them for every later reader.
     """
     validate(manifest)
     top = os.path.abspath(dest)
@@ -373,7 +402,7 @@ def materialize(
         else:
             src = str(blob_path(str(e.digest)))
             try:
-                _place(src, path, e, private)
+                _place(src, path, e, link_blobs)
             except FileNotFoundError:
                 if os.path.exists(src):
                     raise
@@ -430,11 +459,14 @@ def pack_path(
     return PackedPath("file", digest, st.st_size)
 
 
-def unpack_path(packed: PackedPath, dest: Path, artifacts: ArtifactStore) -> None:
-    """Lay out a packed input at ``dest``: the file itself, or the directory's tree."""
+def unpack_path(
+    packed: PackedPath, dest: Path, artifacts: ArtifactStore, *, link_blobs: bool = False
+) -> None:
+    """Lay out a packed input at ``dest``: the file itself, or the directory's
+    tree (``link_blobs`` as for :func:`materialize`)."""
     if packed.kind == "file":
-        artifacts.materialize(packed.digest, dest)
+        artifacts.materialize(packed.digest, dest, link=link_blobs)
     elif packed.kind == "dir":
-        materialize(load(artifacts, packed.digest), dest, artifacts.path)
+        materialize(load(artifacts, packed.digest), dest, artifacts.path, link_blobs=link_blobs)
     else:
         raise BundleError(f"unknown packed kind {packed.kind!r} (expected file or dir)")

@@ -24,6 +24,7 @@ from . import bundle, defaults
 from .errors import GPUlayerError, SpecError, WaitTimeout, WorkerError
 from .home import resolve_home
 from .jobs import JobInfo, LogLine, WorkerInfo
+from .outputs import UnsafeOutputError, tidy
 from .spec import ArtifactRef, check_input_name, parse_spec
 from .transport import Transport
 
@@ -247,6 +248,7 @@ class Client:
         inputs: Mapping[str, str | os.PathLike[str]] | None = None,
         outputs: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | None = None,
         gpus: int = 0,
         nodes: int = 1,
         procs_per_node: int = 1,
@@ -257,11 +259,16 @@ class Client:
         name: str | None = None,
         labels: Mapping[str, str] | None = None,
     ) -> Job:
-        """Validate, store and place a job. Nothing is stored if the spec is bad."""
+        """Validate, store and place a job. Nothing is stored if the spec is bad.
+
+        ``secrets`` join the job's environment like ``env``, but their values
+        are stored encrypted and never shown back: its record names them only.
+        """
         fields: dict[str, Any] = {
             "args": [str(a) for a in args] if not isinstance(args, str) else args,
             "outputs": list(outputs) if not isinstance(outputs, str) else outputs,
             "env": dict(env or {}),
+            "secrets": dict(secrets or {}),
             "gpus": gpus,
             "nodes": nodes,
             "procs_per_node": procs_per_node,
@@ -490,6 +497,12 @@ class Job:
         return self.refresh().state
 
     @property
+    def user(self) -> str | None:
+        """Who submitted it (a token's user; embedded, the local user). None:
+        a job from before jobs had users, or an admin's token without one."""
+        return self.info.user
+
+    @property
     def exit_code(self) -> int | None:
         return self.info.exit_code if self.info.done else self.refresh().exit_code
 
@@ -533,6 +546,13 @@ class Job:
 
         Without ``dest``, the folder is beside the submitted script (or in the
         current directory for command jobs and jobs from elsewhere).
+
+        Nothing is written or removed outside that folder, whatever the
+        server's record says: every output's name, and every entry of a
+        folder output, must be a relative path inside it, reached through
+        no symbolic link. The first that is not raises UnsafeOutputError (or
+        UnsafePathError, for a folder's entry) naming it, before anything is
+        written.
         """
         info = self.info if self.info.done else self.refresh()
         base = (
@@ -540,23 +560,67 @@ class Job:
             if dest is not None
             else (self._source_dir or Path.cwd()) / defaults.RUNS_DIRNAME / self.id
         )
-        base.mkdir(parents=True, exist_ok=True)
+        names = {rel: tidy(rel) for rel in info.outputs}  # before anything is written
         transport = self._client.transport
-        from .artifacts import ArtifactStore
+        from .artifacts import ArtifactStore, copy_file
 
         cache = ArtifactStore(self._client.home / "artifacts")
+        manifests = {}
         for rel, ref in info.outputs.items():
-            target = base / rel
-            if target.exists():
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
-            target.parent.mkdir(parents=True, exist_ok=True)
-            blob = transport.download_blob(ref.digest, cache)
+            transport.download_blob(ref.digest, cache)
+            if ref.kind == "dir":  # checked: no entry leaves its folder
+                manifests[rel] = bundle.load(cache, ref.digest)
+        base.mkdir(parents=True, exist_ok=True)
+        # Sorted: a folder is laid out before an output inside it replaces its file.
+        for rel, ref in sorted(info.outputs.items(), key=lambda item: names[item[0]]):
+            target = _make_room(base, names[rel])
             if ref.kind == "file":
-                shutil.copyfile(blob, target)  # a private copy: the user may edit it
+                blob = transport.download_blob(ref.digest, cache)
+                copy_file(blob, target, 0o644)  # a private copy: the user may edit it
             else:
-                manifest = bundle.load(cache, ref.digest)
                 bundle.materialize(
-                    manifest, target, lambda d: transport.download_blob(d, cache), private=True
+                    manifests[rel], target, lambda d: transport.download_blob(d, cache)
                 )
-        (base / "logs.txt").write_text(self.logs())
+        _write_new(base / "logs.txt", self.logs())
         return base
+
+
+def _make_room(base: Path, name: str) -> Path:
+    """Where output ``name`` goes in ``base``, with nothing there any more.
+
+    What was there (a file, a folder, a symbolic link: inside ``base``) is
+    removed; a link is removed itself, never what it points to. Refuses a
+    path through a symbolic link, which could lead out of ``base``.
+    """
+    *parents, last = name.split("/")
+    at = base
+    for part in parents:
+        at = at / part
+        if at.is_symlink():
+            raise UnsafeOutputError(
+                name, f"{at} is a symbolic link: nothing is written through one"
+            )
+        if not at.exists():
+            at.mkdir()
+        elif not at.is_dir():
+            raise UnsafeOutputError(name, f"{at} is a file, not a folder")
+    target = at / last
+    if target.is_symlink() or target.is_file():
+        target.unlink()
+    elif target.is_dir():
+        shutil.rmtree(target)  # it removes links inside, never what they point to
+    elif os.path.lexists(target):
+        target.unlink()  # a FIFO or socket
+    return target
+
+
+def _write_new(path: Path, text: str) -> None:
+    """Write ``path`` anew: a link or file there is replaced, never written through."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp")
+    with open(tmp, "x", encoding="utf-8") as f:
+        f.write(text)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
