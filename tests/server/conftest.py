@@ -78,7 +78,9 @@ class ServerProc:
     def client(self, token: str | None = None) -> gpulayer.Client:
         return gpulayer.Client(self.url, token=token or self.admin)
 
-    def token(self, role: str) -> str:
+    def token(self, role: str, user: str | None = None) -> str:
+        """A new token of ``role``; a user token acts as ``user`` (default: carol)."""
+        who = ["--user", user or "carol"] if role == "user" or user else []
         out = subprocess.run(
             [
                 sys.executable,
@@ -92,6 +94,7 @@ class ServerProc:
                 "create",
                 "--role",
                 role,
+                *who,
             ],
             capture_output=True,
             text=True,

@@ -189,7 +189,7 @@ MALFORMED: list[tuple[str, str, object, int, list[str]]] = [
     ("POST", "/api/v1/jobs", {"spec": {**_SPEC, "priority": _BIG}}, 422, ["$.spec.priority"]),
     ("POST", "/api/v1/jobs", {"spec": {**_SPEC, "gpus": -1}}, 422, ["$.spec.gpus"]),
     ("GET", "/api/v1/jobs?state=bogus", None, 422, ["unknown state 'bogus'"]),
-    ("GET", "/api/v1/jobs?limit=0", None, 422, ["limit", "between 1 and 10000"]),
+    ("GET", "/api/v1/jobs?limit=0", None, 422, ["limit", "between 1 and 1000"]),
     ("GET", "/api/v1/jobs?limt=5", None, 422, ["unknown query parameter 'limt'"]),
     ("GET", "/api/v1/jobs/nosuchjob", None, 404, ["nosuchjob"]),
     ("POST", "/api/v1/workers/w/acquire?timeout=soon", None, 422, ["timeout", "'soon'"]),

@@ -88,7 +88,7 @@ def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Pa
     has no lines to come."""
     app, plane, _ = _app(tmp_path, "s1")
     ta, tb = (auth.create_token(plane.store, "worker") for _ in "ab")
-    user = auth.create_token(plane.store, "user")
+    user = auth.create_token(plane.store, "user", user="carol")
     jid = ""
 
     async def post(token: str, attempt: int, text: str, seq: int = 1) -> tuple[int, str]:
@@ -188,7 +188,7 @@ def test_a_token_that_takes_a_gone_workers_id_over_cannot_write_into_its_ended_g
     """Its node ended with it, while the job's other node runs on."""
     app, plane, _ = _app(tmp_path)
     ta, tc, intruder = (auth.create_token(plane.store, "worker") for _ in range(3))
-    user = auth.create_token(plane.store, "user")
+    user = auth.create_token(plane.store, "user", user="carol")
 
     async def scenario() -> int:
         ids = []
@@ -260,7 +260,7 @@ def test_a_task_taken_before_a_restart_counts_when_a_new_worker_process_adopts_i
     home ended it, and says it adopted the dead one's id."""
     app, plane, _ = _app(tmp_path, "s1")
     worker = auth.create_token(plane.store, "worker")
-    user = auth.create_token(plane.store, "user")
+    user = auth.create_token(plane.store, "user", user="carol")
 
     async def before() -> tuple[str, str]:
         _, _, w = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=worker)
@@ -288,7 +288,7 @@ def test_a_task_taken_before_a_restart_counts_when_a_new_worker_process_adopts_i
 def test_a_workers_fetch_does_not_read_its_big_file_inputs(tmp_path: Path) -> None:
     app, plane, artifacts = _app(tmp_path)
     worker = auth.create_token(plane.store, "worker")
-    user = auth.create_token(plane.store, "user")
+    user = auth.create_token(plane.store, "user", user="carol")
     big = tmp_path / "big.bin"
     with open(big, "wb") as f:
         f.truncate(200 * 2**20)
@@ -335,7 +335,7 @@ def test_a_blob_the_disk_cannot_take_is_a_503_and_leaves_nothing(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     app, plane, artifacts = _app(tmp_path)
-    user = auth.create_token(plane.store, "user")
+    user = auth.create_token(plane.store, "user", user="carol")
     data = b"a blob"
     digest = hashlib.sha256(data).hexdigest()
     monkeypatch.setattr(BlobWriter, "write", full)
@@ -388,7 +388,7 @@ def test_a_workers_fetches_of_a_folders_files_read_its_manifest_once(
 ) -> None:
     app, plane, artifacts = _app(tmp_path)
     worker = auth.create_token(plane.store, "worker")
-    user = auth.create_token(plane.store, "user")
+    user = auth.create_token(plane.store, "user", user="carol")
     folder = tmp_path / "d"
     folder.mkdir()
     for i in range(5):
@@ -427,7 +427,7 @@ def test_the_manifests_kept_for_fetch_checks_are_bounded_by_the_digests_they_hol
     monkeypatch.setattr(defaults, "MANIFEST_DIGESTS_KEPT", 3)
     app, plane, artifacts = _app(tmp_path)
     worker = auth.create_token(plane.store, "worker")
-    user = auth.create_token(plane.store, "user")
+    user = auth.create_token(plane.store, "user", user="carol")
     trees = {}
     for name in ("a", "b"):
         folder = tmp_path / name
@@ -470,7 +470,7 @@ def test_a_json_body_over_the_limit_is_a_413_and_changes_nothing(
 
     monkeypatch.setattr(defaults, "JSON_BODY_MAX_BYTES", 2 * 2**20)
     app, plane, _ = _app(tmp_path)
-    user = auth.create_token(plane.store, "user")
+    user = auth.create_token(plane.store, "user", user="carol")
     spec = {"spec": {"command": ["true"], "env": {"BIG": "x" * (3 * 2**20)}}}
     status, _, body = asyncio.run(asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user))
     assert status == 413 and "over 2 MiB" in body["error"]
@@ -491,7 +491,7 @@ def test_a_workers_report_may_be_longer_than_a_users_request(
     monkeypatch.setattr(defaults, "JSON_BODY_MAX_BYTES", 1 * 2**20)
     app, plane, _ = _app(tmp_path)
     worker = auth.create_token(plane.store, "worker")
-    user = auth.create_token(plane.store, "user")
+    user = auth.create_token(plane.store, "user", user="carol")
 
     async def scenario() -> int:
         _, _, w = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=worker)

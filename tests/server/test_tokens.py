@@ -39,9 +39,12 @@ def _id(token: str) -> str:
 
 
 def _make(server: ServerProc, role: str, name: str | None = None) -> str:
+    """A token of ``role``; a user token's user is its name, else carol."""
     transport = HttpTransport(server.url, token=server.admin)
     try:
-        return transport.create_token(role, name)
+        return transport.create_token(
+            role, name, user=(name or "carol") if role == "user" else None
+        )
     finally:
         transport.close()
 
@@ -72,7 +75,8 @@ def test_the_list_shows_each_token_without_its_secret(server: ServerProc) -> Non
         (_id(alice), "user", "alice"),
         (_id(box), "worker", None),
     ]
-    assert all(set(t) == {"id", "role", "name", "created", "expires"} for t in tokens)
+    assert all(set(t) == {"id", "role", "name", "user", "created", "expires"} for t in tokens)
+    assert [t["user"] for t in tokens] == [None, "alice", None]
     assert [t["expires"] for t in tokens] == [None, None, None]
     assert before <= tokens[1]["created"] <= tokens[2]["created"] <= after
     shown = str(tokens)
@@ -195,7 +199,17 @@ def _gl(
 
 
 def test_token_list_and_revoke_from_the_command_line(server: ServerProc) -> None:
-    made = _gl("create", "--role", "user", "--name", "[bold]bob", server=server, token=server.admin)
+    made = _gl(
+        "create",
+        "--role",
+        "user",
+        "--user",
+        "bob",
+        "--name",
+        "[bold]bob",
+        server=server,
+        token=server.admin,
+    )
     assert made.returncode == 0, made.stderr
     bob = made.stdout.strip()
     brief = _gl(
@@ -205,15 +219,15 @@ def test_token_list_and_revoke_from_the_command_line(server: ServerProc) -> None
     listed = _gl("list", server=server, token=server.admin)
     assert listed.returncode == 0, listed.stderr
     rows = [line.split() for line in listed.stdout.splitlines()]
-    assert rows[0] == ["ID", "ROLE", "NAME", "CREATED", "EXPIRES"]
-    assert [row[:3] for row in rows[1:]] == [
-        [_id(server.admin), "admin", "first"],  # "first admin": two words
-        [_id(bob), "user", "[bold]bob"],  # a name is shown as it is, not as markup
-        [_id(brief.stdout.strip()), "worker", "-"],
+    assert rows[0] == ["ID", "ROLE", "USER", "NAME", "CREATED", "EXPIRES"]
+    assert [row[:4] for row in rows[1:]] == [
+        [_id(server.admin), "admin", "-", "first"],  # "first admin": two words
+        [_id(bob), "user", "bob", "[bold]bob"],  # a name is shown as it is, not as markup
+        [_id(brief.stdout.strip()), "worker", "-", "-"],
     ]
-    assert time.strptime(" ".join(rows[2][3:5]), "%Y-%m-%d %H:%M:%S")
-    assert rows[2][5:] == ["never"]
-    expires = time.mktime(time.strptime(" ".join(rows[3][5:7]), "%Y-%m-%d %H:%M:%S"))
+    assert time.strptime(" ".join(rows[2][4:6]), "%Y-%m-%d %H:%M:%S")
+    assert rows[2][6:] == ["never"]
+    expires = time.mktime(time.strptime(" ".join(rows[3][6:8]), "%Y-%m-%d %H:%M:%S"))
     assert abs(expires - (time.time() + 2 * 86400)) < 120
     for bad in ("soon", "0", "-1h", "3y", "1.5.2d", "3651d", "9" * 400):
         refused = _gl(
@@ -262,7 +276,7 @@ def test_every_spelling_of_a_revoked_token_is_dropped_from_the_cache(
     store: SqliteStore, tmp_path: Path
 ) -> None:
     app = create_app(ControlPlane(store, instance_id="s1"), ArtifactStore(tmp_path / "blobs"))
-    admin, user = auth.create_token(store, "admin"), auth.create_token(store, "user")
+    admin, user = auth.create_token(store, "admin"), auth.create_token(store, "user", user="carol")
     spellings = [f"Bearer {user}", f"bearer {user}", f"Bearer  {user} "]
 
     async def jobs(header: str) -> int:
@@ -300,7 +314,10 @@ def test_a_new_token_never_takes_an_id_in_use(
 ) -> None:
     drawn = iter(["same", "same", "other"])
     monkeypatch.setattr(secrets, "token_urlsafe", lambda _n: next(drawn))
-    first, second = auth.create_token(store, "user"), auth.create_token(store, "user")
+    first, second = (
+        auth.create_token(store, "user", user="carol"),
+        auth.create_token(store, "user", user="carol"),
+    )
     assert (first, second) == ("glt_u_same", "glt_u_other")  # "same" again was drawn anew
     assert sorted(t.id for t in auth.list_tokens(store)) == sorted([_id(first), _id(second)])
 
@@ -576,7 +593,11 @@ def test_a_token_is_refused_once_it_expires_also_from_the_cache(
 
     async def scenario() -> list[Any]:
         status, _, made = await asgi_request(
-            app, "POST", "/api/v1/tokens", body={"role": "user", "expires_in": 60}, token=admin
+            app,
+            "POST",
+            "/api/v1/tokens",
+            body={"role": "user", "user": "carol", "expires_in": 60},
+            token=admin,
         )
         assert status == 201 and made["expires"] == clock[0] + 60, made
         answers = [(await asgi_request(app, "GET", "/api/v1/jobs", token=made["token"]))[0]]

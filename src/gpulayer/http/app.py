@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import threading
 import time
@@ -21,6 +22,7 @@ import msgspec
 from starlette.responses import FileResponse
 
 from .. import defaults
+from ..access import Viewer, local_viewer, sees_all
 from ..artifacts import ArtifactStore
 from ..errors import (
     ArtifactError,
@@ -61,7 +63,8 @@ from .schemas import (
 
 log = logging.getLogger(__name__)
 _MAX_CACHED_TOKENS = 10_000
-# Where the guard leaves the caller's (role, Authorization header) in the ASGI scope.
+# Where the guard leaves the caller (an auth.Caller) and its Authorization
+# header in the ASGI scope.
 _CALLER = "gpulayer.caller"
 T = TypeVar("T")
 
@@ -80,21 +83,29 @@ def _error(status: int, message: str) -> Response:
     return _json({"error": message}, status)
 
 
-# A worker's report may be longer than a user's request: a task's outputs
-# (one entry per file a glob matched), the tasks it names. It has no way to
-# send one in parts, and one refused would leave its job running.
-_REPORT_MAX = 16 * defaults.JSON_BODY_MAX_BYTES
+# What each worker report may take (see defaults): a task's result the most
+# (an entry per output file), since it cannot be sent in parts; the others
+# far less. Past its limit a body is refused unread (see routing.Request.body).
+_REPORT_MAX = defaults.RESULT_REPORT_MAX_BYTES
+_LOGS_MAX = defaults.LOG_REPORT_MAX_BYTES
+_SMALL_REPORT_MAX = defaults.REPORT_MAX_BYTES
+_RESULT_ADVICE = (
+    "a task's result this long lists too many outputs: declare a folder (one entry) "
+    "rather than a glob that matches many files"
+)
 
 _LONG_DIGITS = re.compile(rb"\d{19}")  # a JSON number this long may not fit in 64 bits
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-async def _body(request: Request, kind: type[T], limit: int | None = None) -> T:
+async def _body(
+    request: Request, kind: type[T], limit: int | None = None, advice: str = "send it in parts"
+) -> T:
     try:
         raw = await request.body(limit=limit or defaults.JSON_BODY_MAX_BYTES)
     except BodyTooLarge as exc:
         raise ApiError(
-            413, f"the request body is over {exc.limit // 2**20} MiB; send it in parts"
+            413, f"the request body is over {exc.limit // 2**20} MiB; {advice}"
         ) from None
     try:
         try:
@@ -114,7 +125,7 @@ async def _body(request: Request, kind: type[T], limit: int | None = None) -> T:
     return body
 
 
-def _with_whole_floats(raw: bytes, kind: type[T], exc: msgspec.ValidationError) -> T:
+def _with_whole_floats(raw: bytes | bytearray, kind: type[T], exc: msgspec.ValidationError) -> T:
     """Decode again taking ``2.0`` for the integer 2, as JSON Schema does; else a 422."""
     if "got `float`" in str(exc):
         data = _ints_for_whole_floats(msgspec.json.decode(raw))
@@ -196,16 +207,28 @@ def _query_generation(request: Request) -> int | None:
     return _query_int(request, "gen", 0, high=(1 << 63) - 1)
 
 
+def _caller_of(request: Request) -> auth.Caller:
+    caller: auth.Caller = request.scope[_CALLER][0]
+    return caller
+
+
 def _role(request: Request) -> str:
-    role: str = request.scope[_CALLER][0]
-    return role
+    return _caller_of(request).role
+
+
+def _viewer(request: Request) -> Viewer:
+    """Whose jobs the caller sees (see access.py)."""
+    viewer = _caller_of(request).viewer
+    if viewer is None:  # a token of no user that a route let through: sees nothing
+        raise auth.AuthError(403, f"a {_role(request)} token cannot look at jobs")
+    return viewer
 
 
 def _poll_timeout(request: Request, default: float) -> float:
     """A long poll's ``timeout`` query parameter, cut to end when the caller's
     token expires: nothing is handed out on an expired token."""
     timeout = _query_float(request, "timeout", default)
-    expires: float | None = request.scope[_CALLER][2]
+    expires = _caller_of(request).expires
     return timeout if expires is None else max(0.0, min(timeout, expires - time.time()))
 
 
@@ -256,11 +279,12 @@ class Api:
         self.artifacts = artifacts
         self.auth_enabled = auth_enabled
         self.metrics = Metrics(plane)
-        # Valid tokens' roles, by Authorization header: every request of a
+        # Valid tokens' callers, by Authorization header: every request of a
         # job would otherwise hash its token and query the store. A token's
-        # role never changes; a revocation empties it (see revoke_token).
-        # header -> role, sha256, expiry (None: never)
-        self._roles: dict[str, tuple[str, str, float | None]] = {}
+        # role and user never change; a revocation empties it (see revoke_token).
+        self._roles: dict[str, auth.Caller] = {}
+        # Without auth every request is the server's local user's, an admin.
+        self._local = auth.Caller(auth.ADMIN, None, None, local_viewer())
         # Which token (its sha256) registered each worker: a worker token acts
         # only for the workers it registered, not for others' (a fleet
         # sharing one token shares that right). Stored with the worker's row
@@ -268,6 +292,8 @@ class Api:
         # for a worker that has not registered again yet, and revoking its
         # token removes it (see revoke_token).
         self._owners: dict[str, str] = plane.store.worker_bindings()
+        if auth_enabled:  # who may read which blob (without auth: the local user, every one)
+            plane.keep_blob_readers(artifacts)
 
     def guard(
         self, roles: tuple[str, ...] | None, handler: Handler, query: tuple[str, ...] | None = ()
@@ -280,16 +306,18 @@ class Api:
                 if roles is not None and self.auth_enabled:
                     header = request.header(b"authorization") or ""
                     known = self._roles.get(header)
-                    if known is None or (known[2] is not None and known[2] <= time.time()):
+                    if known is None or (
+                        known.expires is not None and known.expires <= time.time()
+                    ):
                         self._roles.pop(header, None)
                         known = self._caller(header)  # 401 if not valid, or expired
                         if len(self._roles) >= _MAX_CACHED_TOKENS:
                             self._roles.clear()
                         self._roles[header] = known
-                    auth.require(known[0], roles)
-                    request.scope[_CALLER] = (*known, header)
+                    auth.require(known.role, roles)
+                    request.scope[_CALLER] = (known, header)
                 else:
-                    request.scope[_CALLER] = (auth.ADMIN, None, None, "")
+                    request.scope[_CALLER] = (self._local, "")
                 # Most requests have no query string: parse none then.
                 unknown = (
                     sorted(set(request.query) - set(query))
@@ -323,8 +351,10 @@ class Api:
     # ---- jobs ----
 
     async def submit(self, request: Request) -> Response:
-        body = await _body(request, SubmitRequest)
-        job = self.plane.submit(body.spec, body.id)
+        body = await _body(request, SubmitRequest, defaults.SUBMIT_MAX_BYTES)
+        viewer = _viewer(request)
+        self.plane.check_blobs(viewer, body.spec, self.artifacts)  # only blobs it may read
+        job = self.plane.submit(body.spec, body.id, viewer=viewer)
         if job.state == RUNNING:
             # Placed at once: let the worker's long poll answer first; it is
             # on the job's path, this reply is not.
@@ -336,38 +366,43 @@ class Api:
         for state in states:
             if state not in STATES:
                 raise ApiError(422, f"unknown state {state!r}; valid states: {', '.join(STATES)}")
-        limit = _query_int(request, "limit", 100, low=1, high=10_000)
-        return _json(self.plane.list_jobs(states=states, limit=limit))
+        limit = _query_int(request, "limit", 100, low=1, high=defaults.LIST_JOBS_MAX)
+        return _json(self.plane.list_jobs(states=states, limit=limit, viewer=_viewer(request)))
+
+    # Each endpoint on one job finds it through the control plane with the
+    # caller's viewer: a job it may not see is a 404, as for no job at all.
 
     async def get_job(self, request: Request) -> Response:
-        return _json(self.plane.get(request.path_params["job_id"]))
+        return _json(self.plane.get(request.path_params["job_id"], _viewer(request)))
 
-    async def _wait(self, job_id: str, timeout: float) -> JobInfo:
-        """The job once it is final, or as it is after ``timeout``."""
+    async def _wait(self, job_id: str, timeout: float, viewer: Viewer) -> JobInfo:
+        """The job (one ``viewer`` may see) once it is final, or as it is after ``timeout``."""
         final, done = self.plane.watch_job(job_id)
         if final is None and done is not None:
             await until_signal(self.plane, lambda cb: self.plane.subscribe_done(done, cb), timeout)
             final = done.job  # the record the job ended with, when it did: no store read
-        return final or self.plane.get(job_id)
+        return final or self.plane.get(job_id, viewer)
 
     async def wait_job(self, request: Request) -> Response:
-        job_id = self.plane.resolve(request.path_params["job_id"])
-        return _json(await self._wait(job_id, _poll_timeout(request, 30.0)))
+        viewer = _viewer(request)
+        job_id = self.plane.resolve(request.path_params["job_id"], viewer)
+        return _json(await self._wait(job_id, _poll_timeout(request, 30.0), viewer))
 
     async def wait_jobs(self, request: Request) -> Response:
         """Wait for one job, and bring the records of the others asked about
-        that are final by then."""
+        that are final by then (those the caller may not see are unknown)."""
         body = await _body(request, WaitRequest)
+        viewer = _viewer(request)
         timeout = _poll_timeout(request, 30.0)
-        job = await self._wait(self.plane.resolve(body.id), timeout)
-        also, unknown = self.plane.finals(body.also)
+        job = await self._wait(self.plane.resolve(body.id, viewer), timeout, viewer)
+        also, unknown = self.plane.finals(body.also, viewer)
         return _json(WaitReply(job=job, also=also, unknown=unknown))
 
     async def cancel_job(self, request: Request) -> Response:
-        return _json(self.plane.cancel(request.path_params["job_id"]))
+        return _json(self.plane.cancel(request.path_params["job_id"], _viewer(request)))
 
     async def job_logs(self, request: Request) -> Response:
-        job_id = self.plane.resolve(request.path_params["job_id"])
+        job_id = self.plane.resolve(request.path_params["job_id"], _viewer(request))
         after = (_query_int(request, "attempt", 0), _query_int(request, "seq", 0))
         timeout = _poll_timeout(request, 0.0)
         chunk = self.plane.logs_after(job_id, after)
@@ -388,27 +423,68 @@ class Api:
         return _json(found[0] if found else self.plane.logs_after(job_id, after))
 
     async def list_workers(self, request: Request) -> Response:
-        return _json(self.plane.list_workers())
+        return _json(self.plane.list_workers(_viewer(request)))
 
     # ---- blobs ----
 
+    # A user token reaches only the blobs its user may read (service/blobs.py).
+    # Another user's blob is answered for as one not on the server: the same
+    # status, words and work, whether it is stored or not.
+
+    def _reader(self, request: Request) -> Viewer | None:
+        """The user whose blobs the caller reaches; None: it reaches every blob
+        (an admin, a server without auth), or a worker's (see get_blob)."""
+        viewer = _caller_of(request).viewer
+        return None if viewer is None or sees_all(viewer) else viewer
+
     async def missing_blobs(self, request: Request) -> Response:
-        body = await _body(request, BlobList)
-        return _json(
-            BlobList(digests=sorted(d for d in set(body.digests) if not self.artifacts.has(d)))
-        )
+        body = await _body(request, BlobList, defaults.BLOB_LIST_MAX_BYTES)
+        asked = set(body.digests)
+        reader = self._reader(request)
+        if reader is None:
+            missing = [d for d in asked if not self.artifacts.has(d)]
+        else:
+            for digest in asked:
+                self.artifacts.path(digest)  # a 400 for one that is no digest
+            # Only those it may read are looked for on disk: another user's
+            # is missing for it (it uploads it, and may read it then).
+            readable = self.plane.readable(reader, asked)
+            missing = [d for d in asked if d not in readable or not self.artifacts.has(d)]
+        return _json(BlobList(digests=sorted(missing)))
 
     async def put_blob(self, request: Request) -> Response:
+        """Store a blob: 201 whether or not it was stored already. A user may
+        read it after, but only once every byte was received and verified: a
+        digest alone proves nothing."""
         digest = request.path_params["digest"]
-        if self.artifacts.has(digest):
-            async for _ in request.stream():
-                pass  # drain what was sent; the blob is already here
-            return _json({"digest": digest}, 200)
+        path = self.artifacts.path(digest)
+        reader = self._reader(request)
+        if (reader is None or self.plane.readable(reader, [digest])) and path.exists():
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)  # drained: it is here, and the caller may read it
+            return _json({"digest": digest, "size": size}, 201)
+        stored, size = await self._receive_blob(request, digest, evenly=reader is not None)
+        if reader is not None:
+            self.plane.grant(reader, [stored])
+        return _json({"digest": stored, "size": size}, 201)
+
+    async def _receive_blob(
+        self, request: Request, digest: str, *, evenly: bool
+    ) -> tuple[str, int]:
+        """Stream the body into the store as blob ``digest`` (ArtifactError if
+        it is not that). ``evenly``: as long for a blob stored already as for
+        a new one (written out and fsynced either way), so that the time
+        taken does not tell a user that another stored it."""
         try:
             writer = self.artifacts.writer(digest)
             try:
                 async for chunk in request.stream():
                     writer.write(chunk)
+                if evenly and os.path.exists(self.artifacts.path(digest)):
+                    # What committing a new blob costs; this copy is then
+                    # dropped as a duplicate.
+                    os.fsync(writer._fd)
                 stored = writer.commit()
             except BaseException:
                 writer.abort()
@@ -420,7 +496,7 @@ class Api:
                 f"the server could not store blob {digest} ({exc.strerror or exc}); "
                 "nothing was kept, try again",
             ) from None
-        return _json({"digest": stored, "size": writer.size}, 201)
+        return stored, writer.size
 
     async def get_blob(self, request: Request) -> ASGIResponse:
         digest = request.path_params["digest"]
@@ -430,6 +506,10 @@ class Api:
             self._check_owner(request, worker_id)
             if not self.plane.may_fetch(worker_id, digest, self.artifacts):
                 raise auth.AuthError(403, f"worker {worker_id or '?'} was not given blob {digest}")
+        else:
+            reader = self._reader(request)
+            if reader is not None and not self.plane.readable(reader, [digest]):
+                raise ApiError(404, f"no blob {digest} on this server")
         if not path.exists():
             raise ApiError(404, f"no blob {digest} on this server")
         return FileResponse(path, media_type="application/octet-stream")
@@ -439,7 +519,8 @@ class Api:
     def _check_owner(self, request: Request, worker_id: str) -> None:
         """A worker token may act only for a worker it registered, or one no
         token is bound to (registered while the server ran without auth)."""
-        role, digest, _, _ = request.scope[_CALLER]
+        caller = _caller_of(request)
+        role, digest = caller.role, caller.digest
         if role != auth.WORKER:
             return  # admins (and servers without auth) act for any worker
         owner = self._owners.get(worker_id)
@@ -465,8 +546,9 @@ class Api:
             )
 
     async def register(self, request: Request) -> Response:
-        body = await _body(request, RegisterRequest, _REPORT_MAX)
-        _, digest, expires, token = request.scope[_CALLER]
+        body = await _body(request, RegisterRequest, _SMALL_REPORT_MAX)
+        caller, token = request.scope[_CALLER]
+        digest, expires = caller.digest, caller.expires
         if (
             self.auth_enabled
             and token
@@ -501,7 +583,7 @@ class Api:
         return Response(status=204)
 
     async def heartbeat(self, request: Request) -> Response:
-        beat = await _body(request, HeartbeatRequest, _REPORT_MAX)
+        beat = await _body(request, HeartbeatRequest, _SMALL_REPORT_MAX)
         self._check_owner(request, request.path_params["worker_id"])
         self.plane.heartbeat(request.path_params["worker_id"], stopping=beat.stopping)
         return Response(status=204)
@@ -557,13 +639,13 @@ class Api:
         return response
 
     async def task_started(self, request: Request) -> Response:
-        report = await _body(request, TaskStarted, _REPORT_MAX)
+        report = await _body(request, TaskStarted, _SMALL_REPORT_MAX)
         self._check_owner(request, report.worker_id)
         self.plane.task_started(report)
         return Response(status=204)
 
     async def task_logs(self, request: Request) -> Response:
-        batch = await _body(request, LogBatch, _REPORT_MAX)
+        batch = await _body(request, LogBatch, _LOGS_MAX)
         if _role(request) == auth.WORKER:
             self._check_runner(request, batch)
         self.plane.append_logs(batch.job_id, batch.attempt, batch.lines, batch.node)
@@ -574,7 +656,7 @@ class Api:
         that worker was registered with it: not to one a worker ran before
         another token took its id over, nor one of a worker registered
         without auth."""
-        _, digest, _, _ = request.scope[_CALLER]
+        digest = _caller_of(request).digest
         running_on = self.plane.running_on(batch.job_id, batch.attempt, batch.node)
         if running_on is not None and self._owners.get(running_on) == digest:
             return  # the usual case, answered from memory
@@ -592,7 +674,7 @@ class Api:
             )
 
     async def task_rendezvous(self, request: Request) -> Response:
-        report = await _body(request, RendezvousReport)
+        report = await _body(request, RendezvousReport, _SMALL_REPORT_MAX)
         self._check_owner(request, report.worker_id)
         self.plane.task_rendezvous(
             report.job_id, report.attempt, report.worker_id, report.master_port
@@ -606,7 +688,7 @@ class Api:
         jobs, the next task comes with the answer to this report instead of
         in a long poll reply of its own.
         """
-        result = await _body(request, TaskResult, _REPORT_MAX)
+        result = await _body(request, TaskResult, _REPORT_MAX, _RESULT_ADVICE)
         self._check_owner(request, result.worker_id)
         take = _query_int(request, "take", 0, high=1)
         ack = _query_int(request, "ack", 0) if "ack" in request.query else None
@@ -628,9 +710,16 @@ class Api:
 
     async def create_token(self, request: Request) -> Response:
         body = await _body(request, TokenRequest)
+        try:
+            auth.check_user(body.role, body.user)
+        except GPUlayerError as exc:
+            raise ApiError(422, f"invalid request body: {exc}") from None
         expires = None if body.expires_in is None else time.time() + body.expires_in
-        token = auth.create_token(self.plane.store, body.role, body.name, expires=expires)
-        return _json(TokenResponse(token=token, role=body.role, expires=expires), 201)
+        token = auth.create_token(
+            self.plane.store, body.role, body.name, user=body.user, expires=expires
+        )
+        reply = TokenResponse(token=token, role=body.role, expires=expires, user=body.user)
+        return _json(reply, 201)
 
     async def list_tokens(self, request: Request) -> Response:
         return _json(auth.list_tokens(self.plane.store))
@@ -663,9 +752,9 @@ class Api:
         log.info("token %s (%s) revoked", token_id, role)
         return Response(status=204)
 
-    def _caller(self, header: str) -> tuple[str, str, float | None]:
-        """The role, sha256 and expiry of the token in ``header``, or
-        AuthError(401). An expired token's workers go, as a revoked one's."""
+    def _caller(self, header: str) -> auth.Caller:
+        """Who the token in ``header`` is, or AuthError(401). An expired
+        token's workers go, as a revoked one's."""
         try:
             return auth.caller_of(self.plane.store, header)
         except auth.TokenExpired as exc:

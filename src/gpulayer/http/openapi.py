@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from .. import __version__
+from .. import __version__, defaults
 from ..jobs import STATES, Instruction, JobInfo, LogChunk, TaskResult, TaskStarted, WorkerInfo
 from ..spec import Digest
 from .auth import ID_LENGTH
@@ -34,15 +34,16 @@ _GEN = {"type": "integer", "minimum": 0, "maximum": (1 << 63) - 1}
 _DIGEST = msgspec.json.schema(Digest)
 _TOKEN_ID = {"type": "string", "pattern": f"^[0-9a-f]{{{ID_LENGTH}}}$"}
 _PATH_PARAMS = {"{digest}": _DIGEST, "{token_id}": _TOKEN_ID}  # the others: any string
+_MIB = 2**20
 
 # (method, path, summary, request body type, response type, query parameters)
 _Q = dict[str, tuple[dict[str, Any], str]]  # name -> (JSON Schema, description)
 _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
-    ("post", "/api/v1/jobs", "Submit a job", SubmitRequest, JobInfo, {}),
+    ("post", "/api/v1/jobs", "Submit a job (it is the token's user's)", SubmitRequest, JobInfo, {}),
     (
         "get",
         "/api/v1/jobs",
-        "List jobs, newest first",
+        "List jobs, newest first: a user token's user's, every job for an admin",
         None,
         list[JobInfo],
         {
@@ -51,7 +52,7 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
                 "only jobs in these states (repeat the parameter)",
             ),
             "limit": (
-                {"type": "integer", "minimum": 1, "maximum": 10_000},
+                {"type": "integer", "minimum": 1, "maximum": defaults.LIST_JOBS_MAX},
                 "at most this many (1-10000)",
             ),
         },
@@ -60,12 +61,21 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
         "post",
         "/api/v1/jobs/wait",
         "Long poll until one job is final or the timeout passes; the reply also "
-        "brings those of the other jobs listed that are final by then",
+        "brings those of the other jobs listed that are final by then (a job the "
+        "token may not see is unknown, as one that does not exist)",
         WaitRequest,
         WaitReply,
         {"timeout": (_TIMEOUT, "seconds to wait, 0-60")},
     ),
-    ("get", "/api/v1/jobs/{job_id}", "One job (by id or unique prefix)", None, JobInfo, {}),
+    (
+        "get",
+        "/api/v1/jobs/{job_id}",
+        "One job (by id or unique prefix among the token's user's jobs); another user's "
+        "job is a 404, as one that does not exist",
+        None,
+        JobInfo,
+        {},
+    ),
     (
         "post",
         "/api/v1/jobs/{job_id}/wait",
@@ -143,8 +153,23 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
             ),
         },
     ),
-    ("post", "/api/v1/tasks/started", "A task's process started", TaskStarted, None, {}),
-    ("post", "/api/v1/tasks/logs", "A batch of a task's log lines", LogBatch, None, {}),
+    (
+        "post",
+        "/api/v1/tasks/started",
+        f"A task's process started (at most {defaults.REPORT_MAX_BYTES // _MIB} MiB, as "
+        "register, heartbeat and rendezvous)",
+        TaskStarted,
+        None,
+        {},
+    ),
+    (
+        "post",
+        "/api/v1/tasks/logs",
+        f"A batch of a task's log lines (at most {defaults.LOG_REPORT_MAX_BYTES // _MIB} MiB)",
+        LogBatch,
+        None,
+        {},
+    ),
     (
         "post",
         "/api/v1/tasks/rendezvous",
@@ -156,7 +181,9 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
     (
         "post",
         "/api/v1/tasks/finished",
-        "A task ended; with take=1 the reply carries the worker's next instructions",
+        f"A task ended (at most {defaults.RESULT_REPORT_MAX_BYTES // _MIB} MiB); with take=1 "
+        "the reply carries the worker's next "
+        "instructions",
         TaskResult,
         list[Instruction],
         {
@@ -183,7 +210,7 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
     (
         "get",
         "/api/v1/tokens",
-        "List API tokens: id, role, name, creation time, never the token (admin)",
+        "List API tokens: id, role, user, name, creation time, never the token (admin)",
         None,
         list[TokenInfo],
         {},
@@ -223,6 +250,17 @@ def document() -> dict[str, Any]:
     )
     refs = iter(schemas)
     components["BlobList"]["properties"]["digests"]["items"] = _DIGEST
+    # Who a token may act as, by role (auth.check_user): a user token needs
+    # a user, a worker token has none.
+    components["TokenRequest"]["allOf"] = [
+        {
+            "if": {"properties": {"role": {"const": role}}},
+            "then": {"required": ["user"], "properties": {"user": {"type": "string"}}}
+            if role == "user"
+            else {"properties": {"user": {"type": "null"}}},
+        }
+        for role in ("user", "worker")
+    ]
     for component in components.values():
         _bound_integers(component)
     paths: dict[str, dict[str, Any]] = {}
@@ -289,7 +327,7 @@ def document() -> dict[str, Any]:
             }
         else:
             op["responses"]["204" if path != "/healthz" else "200"] = {"description": "ok"}
-        # 413: a JSON body over the limit (send it in parts). 503: the job
+        # 413: a JSON body over its endpoint's limit, refused unread. 503: the job
         # store failed (a full disk); nothing changed, send it again.
         for status in ("400", "401", "403", "404", "409", "413", "422", "503"):
             op["responses"][status] = error

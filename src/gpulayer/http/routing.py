@@ -115,25 +115,40 @@ class Request:
             if not message.get("more_body", False):
                 return
 
-    async def body(self, limit: int | None = None) -> bytes:
+    def content_length(self) -> int | None:
+        """The ``Content-Length`` the client declared (None: none, or not a number)."""
+        raw = self.header(b"content-length")
+        if raw is None or not raw.strip().isdigit():
+            return None
+        return int(raw)
+
+    async def body(self, limit: int | None = None) -> bytes | bytearray:
         """The whole body (the API's JSON bodies are small; blobs are
-        streamed); :class:`BodyTooLarge` past ``limit`` bytes, read no further."""
+        streamed); :class:`BodyTooLarge` past ``limit`` bytes, read no further.
+
+        Never more than ``limit`` bytes are held: a body declared longer is
+        refused before any of it is read, and one sent in chunks (no length
+        declared) as soon as it passes the limit. The server reads no more
+        of it than it holds (uvicorn stops reading the socket meanwhile).
+        """
+        declared = self.content_length()
+        if limit is not None and declared is not None and declared > limit:
+            raise BodyTooLarge(limit)
         message = await self.receive()  # usually all of it, in one message
         if message["type"] == "http.disconnect":
             raise ClientDisconnect
         body: bytes = message.get("body", b"")
-        size = len(body)
-        if limit is not None and size > limit:
+        if limit is not None and len(body) > limit:
             raise BodyTooLarge(limit)
         if not message.get("more_body", False):
             return body
-        parts = [body]
+        # One buffer, grown in place: no list of parts joined into a second copy.
+        whole = bytearray(body)
         async for chunk in self.stream():
-            size += len(chunk)
-            if limit is not None and size > limit:
+            if limit is not None and len(whole) + len(chunk) > limit:
                 raise BodyTooLarge(limit)
-            parts.append(chunk)
-        return b"".join(parts)
+            whole += chunk
+        return whole
 
 
 class Response:

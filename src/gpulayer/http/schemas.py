@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from .. import defaults
+from ..access import USER_PATTERN
 from ..jobs import JobInfo, LogLine, WorkerInfo
 from ..spec import JobSpec
 
@@ -34,7 +36,7 @@ class WaitReply(msgspec.Struct):
 
 
 class BlobList(msgspec.Struct, forbid_unknown_fields=True):
-    digests: list[str]
+    digests: Annotated[list[str], msgspec.Meta(max_length=defaults.MISSING_BLOBS_PER_REQUEST)]
 
 
 class RegisterRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -66,7 +68,13 @@ class RendezvousReport(msgspec.Struct, forbid_unknown_fields=True):
 
 class TokenRequest(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["admin", "user", "worker"]
-    name: str | None = None
+    name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    # The user it acts as: needed for a user token, refused for a worker
+    # token (see auth.check_user). Checked there, to say what is wrong.
+    user: (
+        Annotated[str, msgspec.Meta(max_length=256, extra_json_schema={"pattern": USER_PATTERN})]
+        | None
+    ) = None
     # Seconds from now until it is refused (None: never); at most ten years.
     expires_in: Annotated[float, msgspec.Meta(gt=0, le=10 * 365 * 86400)] | None = None
 
@@ -75,6 +83,7 @@ class TokenResponse(msgspec.Struct):
     token: str
     role: str
     expires: float | None = None  # seconds since the epoch; None: never
+    user: str | None = None  # the user it acts as
 
 
 class TokenInfo(msgspec.Struct, kw_only=True):
@@ -85,4 +94,5 @@ class TokenInfo(msgspec.Struct, kw_only=True):
     role: str
     name: str | None
     created: float  # seconds since the epoch
+    user: str | None = None  # the user it acts as (see auth.py)
     expires: float | None = None  # seconds since the epoch; None: never

@@ -18,10 +18,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+import msgspec
+
 from .. import defaults, jobs
 from ..errors import StoreError
 from ..jobs import CancelTask, JobInfo, RunTask, TaskResult
+from ..outputs import UnsafeOutputError, check_result
 from ..scheduler import Assignment, Request, place
+from ..secretbox import SecretBox, redacted
 from ..signals import Signal
 from ..store import Store, Transaction
 from .state import (
@@ -49,8 +53,12 @@ class PlaneCore:
         instance_id: str,
         clock: Callable[[], float] = time.time,
         kill_orphan: Callable[[int, float | None], None] | None = None,
+        secrets: SecretBox | None = None,
     ) -> None:
         self.store = store
+        # Seals jobs' secrets before they are stored, opens them for their
+        # workers; the key is the home's, beside the store (secretbox.py).
+        self.secrets = secrets if secrets is not None else SecretBox.beside(store)
         self.instance_id = instance_id
         self._clock = clock
         self._kill_orphan = kill_orphan
@@ -156,6 +164,7 @@ class PlaneCore:
                 attempt=run.attempt,
                 given_back=run.given_back,
                 owner=self.instance_id,
+                user=run.user,
                 worker=first.worker_id,
                 slots=list(first.slots),
                 gpus=list(first.gpus),
@@ -312,6 +321,21 @@ class PlaneCore:
         for group in by_job(assignments):
             a = group[0]
             pending = self._queue[a.job_id]
+            unopened = self.secrets.cannot_open(pending.spec) if pending.spec.secrets else None
+            if unopened is not None:  # sealed with another key: it cannot run as asked
+                tx.finish(
+                    a.job_id,
+                    state=jobs.FAILED,
+                    exit_code=None,
+                    reason=f"could not run: {unopened}",
+                    marks={"finished": now},
+                    outputs={},
+                )
+                for gone in group:
+                    assignments.remove(gone)
+                self._dequeue(a.job_id)
+                self._signal_done(a.job_id)
+                continue
             placed = tx.place(
                 a.job_id,
                 worker=a.worker_id,
@@ -334,6 +358,10 @@ class PlaneCore:
             pending = self._dequeue(job_id)
             attempt = pending.attempt + 1
             spec = pending.spec
+            # Its worker gets the secrets' values (it starts the job with
+            # them); memory and the store keep them sealed. Checked openable
+            # as the placement was recorded.
+            opened = self.secrets.open(spec) if spec.secrets else spec
             tasks = [NodeTask(node, a.worker_id, a.slots, a.gpus) for node, a in enumerate(group)]
             self._running[job_id] = Running(
                 attempt,
@@ -342,6 +370,7 @@ class PlaneCore:
                 tasks,
                 {"submitted": pending.submitted, "placed": now},
                 given_back=pending.given_back,
+                user=pending.user,
             )
             # Rank 0 listens on node 0, at the address its worker advertises.
             master = None
@@ -358,7 +387,7 @@ class PlaneCore:
                         placed=now,
                         job_id=job_id,
                         attempt=attempt,
-                        spec=spec,
+                        spec=opened,
                         slots=list(task.slots),
                         gpus=list(task.gpus),
                         node=task.node,
@@ -403,7 +432,8 @@ class PlaneCore:
     def _requeue(self, job_id: str, run: Running) -> None:
         spec = run.spec
         request = Request(job_id, spec.priority, run.seq, spec.gpus, spec.nodes)
-        self._enqueue(Pending(request, spec, run.attempt, run.marks["submitted"], run.given_back))
+        submitted = run.marks["submitted"]
+        self._enqueue(Pending(request, spec, run.attempt, submitted, run.given_back, run.user))
 
     def _end_lost(
         self,
@@ -433,6 +463,8 @@ class PlaneCore:
             ended.append(job_id)
 
     def _signal_done(self, job_id: str, final: JobInfo | None = None) -> None:
+        if final is not None:
+            final = redacted(final)  # kept to hand out: no secret's value
         done = self._done.pop(job_id, None)
         if done is not None:
             # Hand waiters the record (saves each a read of the store). The
@@ -441,6 +473,7 @@ class PlaneCore:
             if final is None:
                 with contextlib.suppress(StoreError):
                     final = self.store.get_job(job_id)
+                    final = None if final is None else redacted(final)
             done.job, done.fired = final, True
             done.signal.fire()
         if final is not None and final.done:
@@ -450,3 +483,22 @@ class PlaneCore:
         logs = self._logs.pop(job_id, None)
         if logs is not None:
             logs.fire()
+
+
+def refuse_unsafe_outputs(
+    result: TaskResult, declared: list[str]
+) -> tuple[TaskResult, UnsafeOutputError | None]:
+    """``result`` as it may be applied, and why its outputs were refused if they were.
+
+    An output must be a relative, normalised path the job declared (by name
+    or glob): a client writes it there. A result naming one that is not
+    stores no output at all, and ends its attempt as an error naming it, so
+    the job does not wait on a report its worker will not send again.
+    """
+    try:
+        check_result(declared, result.outputs)
+    except UnsafeOutputError as exc:
+        error = f"its worker reported an output that was refused ({exc}); no output was stored"
+        outcome = "error" if result.outcome == "exited" else result.outcome
+        return msgspec.structs.replace(result, outcome=outcome, error=error, outputs={}), exc
+    return result, None

@@ -29,11 +29,12 @@ from ..jobs import (
     WorkerInfo,
 )
 from ..signals import Signal, Unsubscribe, wait_on
-from .core import PlaneCore, log
+from .blobs import BlobReaders
+from .core import log, refuse_unsafe_outputs
 from .state import Delivery, LiveWorker, Running, failures, never_taken
 
 
-class Fleet(PlaneCore):
+class Fleet(BlobReaders):
     # Registrations are numbered from the clock, so a restarted control
     # plane never reuses an earlier one's numbers.
     _generations = itertools.count(time.time_ns())
@@ -578,7 +579,20 @@ class Fleet(PlaneCore):
                 signal.fire()
 
     def task_finished(self, result: TaskResult, *, yield_to_waiters: bool = True) -> None:
+        """Apply a task's result. One naming an unsafe or undeclared output
+        ends its attempt storing no output, then raises UnsafeOutputError."""
         now = self._clock()
+        refused = None
+        if result.outputs:
+            # Checked outside the lock (a glob may name a million outputs):
+            # a job's spec does not change.
+            with self._lock:
+                run = self._running.get(result.job_id)
+            if run is not None:
+                result, refused = refuse_unsafe_outputs(result, run.spec.outputs)
+                # Stored before the result is applied: its client, woken by
+                # the job's end, fetches the outputs at once.
+                self._grant_outputs(result, run)
         with self._lock:
             run = self._running.get(result.job_id)
             if run is None or run.attempt != result.attempt:
@@ -600,6 +614,14 @@ class Fleet(PlaneCore):
                 if task is None or task.ended:
                     return
                 final = self._task_ended(result.job_id, run, task, result, now, undo=True)
+            if refused is not None:
+                # The refusal takes no delivery (finish_and_take): what its
+                # end placed on the worker goes to its long poll instead.
+                worker = self._workers.get(result.worker_id)
+                if worker is not None and worker.inbox:
+                    worker.wake.fire()
+        if refused is not None:
+            raise refused  # the worker is told (a 422 over HTTP); the job has ended
         if final and yield_to_waiters:
             # Hand the interpreter to the woken client now rather than after
             # this worker's own tidying up: the client is the one waiting.

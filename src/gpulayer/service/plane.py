@@ -12,11 +12,13 @@ import time
 from collections.abc import Callable, Iterable
 
 from .. import defaults, jobs
+from ..access import Viewer, local_viewer, may_see, sees_all
 from ..artifacts import ArtifactStore
 from ..errors import GPUlayerError, InvalidStateError, JobNotFoundError, StoreError
 from ..ids import check_id, new_id
 from ..jobs import JobInfo, LogChunk, WorkerInfo
 from ..scheduler import Capacity, Request, explain
+from ..secretbox import redacted
 from ..signals import Signal, Unsubscribe, wait_on
 from ..spec import JobSpec, parse_spec
 from .fleet import Fleet
@@ -31,12 +33,28 @@ class _Stored(Exception):
 class ControlPlane(Fleet, Recovery):
     # ---- clients -------------------------------------------------------
 
-    def submit(self, spec: JobSpec, job_id: str | None = None) -> JobInfo:
-        """Store and place a job. ``job_id`` (made by the client) makes a retried
-        submit idempotent: the same id and spec return the job already stored."""
-        spec = parse_spec(spec)
+    def submit(
+        self, spec: JobSpec, job_id: str | None = None, *, viewer: Viewer | None = None
+    ) -> JobInfo:
+        """Store and place a job, as ``viewer``'s (embedded: the local user's).
+        ``job_id`` (made by the client) makes a retried submit idempotent: the
+        same id and spec return the job already stored."""
+        # Sealed from here on (stored so, kept so): only its worker gets the values.
+        spec = self.secrets.seal(parse_spec(spec))
+        viewer = viewer or local_viewer()
         if job_id is not None:
             check_id("id", job_id)
+        job = self._submit(spec, job_id, viewer)
+        if job is None:
+            # The id names a job the submitter may not see: it was only a key
+            # against storing a retry twice, and telling that it is taken
+            # would tell that the job exists. The job gets an id of its own.
+            job = self._submit(spec, None, viewer)
+            assert job is not None  # a new id names no job
+        return redacted(job)
+
+    def _submit(self, spec: JobSpec, job_id: str | None, viewer: Viewer) -> JobInfo | None:
+        """:meth:`submit`; None if ``job_id`` names a job ``viewer`` may not see."""
         now = self._clock()
         with self._lock:
             if job_id is not None and (
@@ -44,17 +62,18 @@ class ControlPlane(Fleet, Recovery):
             ):
                 # A retried submit of a job this plane holds: answered before
                 # anything in memory is touched (its queue entry stays whole).
-                return self._stored(job_id, spec)
+                return self._stored(job_id, spec, viewer)
             seq = self._seq + 1
             job = JobInfo(
                 id=job_id or new_id(),
                 spec=spec,
                 seq=seq,
                 owner=self.instance_id,
+                user=viewer.user,
                 marks={"submitted": now},
             )
             request = Request(job.id, spec.priority, seq, spec.gpus, spec.nodes)
-            self._enqueue(Pending(request, spec, 0, now))
+            self._enqueue(Pending(request, spec, 0, now, user=viewer.user))
             try:
                 assignments = self._plan()
                 mine = [a for a in assignments if a.job_id == job.id]
@@ -73,7 +92,7 @@ class ControlPlane(Fleet, Recovery):
                     assignments = [a for a in assignments if a.job_id == job.id] + others
             except _Stored:
                 self._dequeue(job.id)
-                return self._stored(job.id, spec)
+                return self._stored(job.id, spec, viewer)
             except BaseException:
                 self._dequeue(job.id)
                 raise
@@ -81,21 +100,47 @@ class ControlPlane(Fleet, Recovery):
             self._dispatch(assignments, now)
         return job
 
-    def _stored(self, job_id: str, spec: JobSpec) -> JobInfo:
-        """The job a retried submit made: the same spec, or an error."""
+    def _stored(self, job_id: str, spec: JobSpec, viewer: Viewer) -> JobInfo | None:
+        """The job a retried submit made: the same spec, or an error; None if
+        it is not one ``viewer`` may see (not its retry, then)."""
         existing = self.store.get_job(job_id)
         if existing is None:  # not a job store deletes from: cannot happen
             raise InvalidStateError(f"job {job_id} could not be stored; submit it again")
-        if existing.spec != spec:
+        if not may_see(viewer, existing.user):
+            return None
+        if not self._same_spec(existing.spec, spec):
             raise InvalidStateError(f"job {job_id} already exists with a different spec")
         return existing
 
-    def resolve(self, job_id: str) -> str:
-        """A full id from an id or a unique prefix of one."""
+    def _same_spec(self, stored: JobSpec, sealed: JobSpec) -> bool:
+        """Whether two sealed specs say the same (each seal of a value differs)."""
+        if not (stored.secrets or sealed.secrets):
+            return stored == sealed
+        try:
+            return self.secrets.open(stored) == self.secrets.open(sealed)
+        except GPUlayerError:  # sealed with another key: not known to be the same
+            return False
+
+    def _user_in_memory(self, job_id: str) -> tuple[bool, str | None]:
+        """Whether this plane holds the job (queued, running, lately ended)
+        and, if so, whose it is. Call with the lock held."""
+        held = self._queue.get(job_id) or self._running.get(job_id)
+        if held is not None:
+            return True, held.user
+        final = self._finished.get(job_id)
+        return (True, final.user) if final is not None else (False, None)
+
+    def resolve(self, job_id: str, viewer: Viewer | None = None) -> str:
+        """A full id from an id or a unique prefix of one, among the jobs
+        ``viewer`` may see (embedded: every job). A job it may not see is
+        answered for as one that does not exist, also in time: a store read,
+        as for an id of no job."""
+        viewer = viewer or local_viewer()
         with self._lock:
-            if job_id in self._queue or job_id in self._running or job_id in self._finished:
-                return job_id
-        found = self.store.find_job(job_id)
+            held, user = self._user_in_memory(job_id)
+        if held and may_see(viewer, user):
+            return job_id
+        found = self.store.find_job(job_id, user=viewer.only)
         if job_id in found:
             return job_id
         if len(found) == 1:
@@ -104,12 +149,15 @@ class ControlPlane(Fleet, Recovery):
             raise JobNotFoundError(f"no job with id {job_id!r}")
         raise JobNotFoundError(f"{job_id!r} matches several jobs; give more of the id")
 
-    def get(self, job_id: str) -> JobInfo:
-        job = self.store.get_job(job_id) or self.store.get_job(self.resolve(job_id))
-        assert job is not None
+    def get(self, job_id: str, viewer: Viewer | None = None) -> JobInfo:
+        viewer = viewer or local_viewer()
+        job = self.store.get_job(job_id, user=viewer.only)
+        if job is None:  # a prefix, or not the viewer's
+            job = self.store.get_job(self.resolve(job_id, viewer), user=viewer.only)
+            assert job is not None
         if job.state == jobs.QUEUED and job.reason is None:
             job.reason = self._why_waiting(job)
-        return job
+        return redacted(job)
 
     def _why_waiting(self, job: JobInfo) -> str:
         with self._lock:
@@ -124,12 +172,23 @@ class ControlPlane(Fleet, Recovery):
         ]
         return explain(Request(job.id, spec.priority, job.seq, spec.gpus, spec.nodes), caps)
 
-    def list_jobs(self, *, states: Iterable[str] = (), limit: int | None = None) -> list[JobInfo]:
-        return self.store.list_jobs(states=states, limit=limit)
+    def list_jobs(
+        self,
+        *,
+        states: Iterable[str] = (),
+        limit: int | None = None,
+        viewer: Viewer | None = None,
+    ) -> list[JobInfo]:
+        """The jobs ``viewer`` may see, newest first."""
+        only = (viewer or local_viewer()).only
+        return [redacted(j) for j in self.store.list_jobs(states=states, limit=limit, user=only)]
 
-    def wait(self, job_id: str, timeout: float | None = None) -> JobInfo:
+    def wait(
+        self, job_id: str, timeout: float | None = None, viewer: Viewer | None = None
+    ) -> JobInfo:
         """Block until the job is final (or ``timeout``), then return it."""
-        job_id = self.resolve(job_id)
+        viewer = viewer or local_viewer()
+        job_id = self.resolve(job_id, viewer)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             final, done = self.watch_job(job_id)
@@ -137,7 +196,7 @@ class ControlPlane(Fleet, Recovery):
                 return final
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                return self.get(job_id)
+                return self.get(job_id, viewer)
             with self._lock:
                 if done is None:  # run by another process on this home: it cannot signal us
                     signal = self._logs.setdefault(job_id, Signal())
@@ -147,33 +206,41 @@ class ControlPlane(Fleet, Recovery):
                 fired = done is not None and done.fired
             if done is not None and fired:
                 # Its record, or (if reading it failed then) read now, unlocked.
-                return done.job or self.get(job_id)
+                return done.job or self.get(job_id, viewer)
 
-    def finals(self, job_ids: Iterable[str]) -> tuple[list[JobInfo], list[str]]:
+    def finals(
+        self, job_ids: Iterable[str], viewer: Viewer | None = None
+    ) -> tuple[list[JobInfo], list[str]]:
         """The final records of those of ``job_ids`` (full ids) that are final,
-        and the ids of no job at all.
+        and the ids of no job at all, or of one ``viewer`` may not see.
 
-        Jobs queued or running here cost no store read, nor do those that
-        ended here lately.
+        The viewer's jobs queued or running here cost no store read, nor do
+        those that ended here lately. Another user's cost one, as an id of
+        no job does: the reply takes as long for either.
         """
+        viewer = viewer or local_viewer()
+        everyone = sees_all(viewer)  # no check per job: this loop is on every wait's path
         found: list[JobInfo] = []
         unknown: list[str] = []
         unsure = []
         with self._lock:
             for job_id in job_ids:
-                if job_id in self._queue or job_id in self._running:
+                held = self._queue.get(job_id) or self._running.get(job_id)
+                if held is not None:
+                    if not (everyone or may_see(viewer, held.user)):
+                        unsure.append(job_id)
                     continue
                 final = self._finished.get(job_id)
-                if final is not None:
+                if final is not None and (everyone or may_see(viewer, final.user)):
                     found.append(final)
                 else:
                     unsure.append(job_id)
-        for job_id in unsure:
-            job = self.store.get_job(job_id)
+        for job_id in dict.fromkeys(unsure):  # each id read once, however often it is asked
+            job = self.store.get_job(job_id, user=viewer.only)
             if job is None:
                 unknown.append(job_id)
             elif job.done:
-                found.append(job)
+                found.append(redacted(job))
         return found, unknown
 
     def watch_job(self, job_id: str) -> tuple[JobInfo | None, Done | None]:
@@ -191,10 +258,11 @@ class ControlPlane(Fleet, Recovery):
         job = self.store.get_job(job_id)
         if job is None:
             raise JobNotFoundError(f"no job with id {job_id!r}")
-        return (job, None) if job.done else (None, None)
+        return (redacted(job), None) if job.done else (None, None)
 
-    def cancel(self, job_id: str) -> JobInfo:
-        job_id = self.resolve(job_id)
+    def cancel(self, job_id: str, viewer: Viewer | None = None) -> JobInfo:
+        viewer = viewer or local_viewer()
+        job_id = self.resolve(job_id, viewer)  # nothing happens to a job it may not see
         now = self._clock()
         with self._lock:
             if job_id in self._queue:
@@ -238,7 +306,7 @@ class ControlPlane(Fleet, Recovery):
                 if not queued and self._kill_orphan is not None:
                     for pid, created in job.processes():
                         self._kill_orphan(pid, created)
-        return self.get(job_id)
+        return self.get(job_id, viewer)
 
     def read_logs(
         self, job_id: str, after: tuple[int, int] = (0, 0), timeout: float = 0.0
@@ -287,8 +355,6 @@ class ControlPlane(Fleet, Recovery):
     def may_fetch(self, worker_id: str, digest: str, artifacts: ArtifactStore) -> bool:
         """Whether ``digest`` belongs to a task placed on ``worker_id``: its
         bundle, an input, or a file inside either."""
-        from .. import bundle
-
         with self._lock:
             worker = self._workers.get(worker_id)
             if worker is None:
@@ -306,17 +372,8 @@ class ControlPlane(Fleet, Recovery):
                 if ref.kind == "dir":  # a file input is no manifest: never read here
                     manifests.append(ref.digest)
         for root in manifests:
-            with self._lock:
-                listed = self._listed.get(root)
-            if listed is None:  # read outside the lock: a manifest may be large
-                try:
-                    entries = bundle.load(artifacts, root).entries
-                    listed = frozenset(e.digest for e in entries if e.digest is not None)
-                except GPUlayerError:
-                    continue  # gone, or not a manifest after all
-                with self._lock:
-                    self._listed.put(root, listed)
-            if digest in listed:
+            listed = self._tree(root, artifacts)  # None: gone, or not a manifest after all
+            if listed is not None and digest in listed:
                 return True
         return False
 
@@ -325,16 +382,29 @@ class ControlPlane(Fleet, Recovery):
         with self._lock:
             return self._logs.setdefault(job_id, Signal()).subscribe(callback)
 
-    def list_workers(self) -> list[WorkerInfo]:
+    def list_workers(self, viewer: Viewer | None = None) -> list[WorkerInfo]:
+        """Every worker; each one's running jobs only those ``viewer`` may see."""
+        viewer = viewer or local_viewer()
         with self._lock:
             live = {w.info.id: w for w in self._workers.values()}
+            running = {w.info.id: sorted(w.running) for w in live.values()}
+            if not sees_all(viewer):
+                for worker_id, ids in running.items():
+                    running[worker_id] = [j for j in ids if self._visible_here(viewer, j)]
         found = self.store.list_workers()
         for info in found:
             worker = live.get(info.id)
             if worker is not None:  # what only memory holds: its tasks, its last word
-                info.running = sorted(worker.running)
+                info.running = running[info.id]
                 info.last_seen = worker.last_seen
+            elif not sees_all(viewer):
+                info.running = []
         return found
+
+    def _visible_here(self, viewer: Viewer, job_id: str) -> bool:
+        """Whether ``viewer`` may see a job this plane holds. Call with the lock held."""
+        held, user = self._user_in_memory(job_id)
+        return held and may_see(viewer, user)
 
     def snapshot(self) -> Snapshot:
         with self._lock:

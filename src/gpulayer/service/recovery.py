@@ -65,7 +65,7 @@ class Recovery(PlaneCore):
                     )
                     submitted = job.marks.get("submitted", now)
                     self._enqueue(
-                        Pending(request, job.spec, job.attempt, submitted, job.given_back)
+                        Pending(request, job.spec, job.attempt, submitted, job.given_back, job.user)
                     )
             assignments = self._plan()
             with self.store.transaction() as tx:
@@ -139,6 +139,7 @@ class Recovery(PlaneCore):
                 results=ended,
                 cancel_requested=job.cancel_requested,
                 given_back=job.given_back,
+                user=job.user,
             )
             if len(tasks) == 1:  # the lines stored already are not stored again
                 run.log_seen = {0: self.store.last_log_seq(job.id, job.attempt)}

@@ -35,6 +35,7 @@ class Pending:
     attempt: int  # attempts made so far
     submitted: float
     given_back: int = 0  # of those, given back unrun (not counted against retries)
+    user: str | None = None  # who submitted it (see access.py)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Running:
     master_port: int | None = None
     log_seq: int = 0
     log_seen: dict[int, int] = field(default_factory=dict)  # node -> its last line
+    user: str | None = None  # who submitted it (see access.py)
 
     @property
     def worker_id(self) -> str:

@@ -9,7 +9,7 @@ nothing above this package changes. Writes happen inside
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from contextlib import AbstractContextManager
 
 from ..jobs import JobInfo, LogLine, TaskInfo, TaskResult, WorkerInfo
@@ -115,6 +115,11 @@ class Transaction(abc.ABC):
     def delete_worker(self, worker_id: str) -> None: ...
 
     @abc.abstractmethod
+    def grant_blobs(self, user: str, digests: Iterable[str]) -> None:
+        """Let ``user`` read the blobs ``digests`` (see :meth:`Store.readable_blobs`);
+        granting one twice changes nothing."""
+
+    @abc.abstractmethod
     def delete_workers(self, instance: str) -> None: ...
 
 
@@ -123,16 +128,25 @@ class Store(abc.ABC):
     def transaction(self) -> AbstractContextManager[Transaction]: ...
 
     @abc.abstractmethod
-    def get_job(self, job_id: str) -> JobInfo | None: ...
+    def get_job(self, job_id: str, *, user: str | None = None) -> JobInfo | None:
+        """The job with this id; with ``user``, only if it is that user's."""
 
     @abc.abstractmethod
-    def find_job(self, prefix: str) -> list[str]:
-        """Ids starting with ``prefix`` (at most 2: enough to tell unique from ambiguous)."""
+    def find_job(self, prefix: str, *, user: str | None = None) -> list[str]:
+        """Ids starting with ``prefix`` (at most 2: enough to tell unique from
+        ambiguous); with ``user``, only among that user's jobs."""
 
     @abc.abstractmethod
     def list_jobs(
-        self, *, states: Iterable[str] = (), owner: str | None = None, limit: int | None = None
-    ) -> list[JobInfo]: ...
+        self,
+        *,
+        states: Iterable[str] = (),
+        owner: str | None = None,
+        user: str | None = None,
+        limit: int | None = None,
+    ) -> list[JobInfo]:
+        """Jobs, newest first; with ``owner``, only that control-plane
+        instance's; with ``user``, only that user's."""
 
     @abc.abstractmethod
     def append_logs(
@@ -190,12 +204,23 @@ class Store(abc.ABC):
         name: str | None,
         created: float,
         expires: float | None = None,
+        *,
+        user: str | None = None,
     ) -> None: ...
 
     @abc.abstractmethod
     def token_role(self, digest: str) -> tuple[str, float | None] | None:
         """The role of the token whose sha256 is ``digest`` and when it
         expires (None: never), if it exists."""
+
+    @abc.abstractmethod
+    def token_user(self, digest: str) -> str | None:
+        """The user the token whose sha256 is ``digest`` acts as (None: it
+        has none, or there is no such token)."""
+
+    @abc.abstractmethod
+    def token_users(self) -> dict[str, str]:
+        """The sha256 of every token that has a user -> that user."""
 
     @abc.abstractmethod
     def count_tokens(self, role: str) -> int: ...
@@ -210,6 +235,11 @@ class Store(abc.ABC):
         deleted, if there is none, or if it is the last token of the role
         ``keep_last`` that does not expire: one atomic step, so two deletes
         at once cannot take the last two."""
+
+    @abc.abstractmethod
+    def readable_blobs(self, user: str, digests: Collection[str]) -> set[str]:
+        """Those of ``digests`` that ``user`` was granted (:meth:`Transaction.grant_blobs`),
+        in one query however many: it is on the path of every submit over HTTP."""
 
     @abc.abstractmethod
     def worker_bindings(self) -> dict[str, str]:

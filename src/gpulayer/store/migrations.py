@@ -151,6 +151,41 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         WHERE token_digest IS NOT NULL
         """,
     ),
+    # 9: ownership. Each job keeps the user who submitted it, and each token
+    # the user it acts as. Jobs from before have no user (NULL): which token
+    # made them was never kept, so only admins see them. A user token from
+    # before becomes a user of its own, "legacy-<its id>", never one that
+    # sees every job; an admin can make its holder a token with a real user.
+    # (``user_name``, not ``user``: a reserved word in PostgreSQL.)
+    (
+        """
+        ALTER TABLE jobs ADD COLUMN user_name TEXT
+        """,
+        """
+        -- A user's listing reads only that user's jobs, newest first.
+        CREATE INDEX jobs_by_user ON jobs (user_name, seq)
+        """,
+        """
+        ALTER TABLE tokens ADD COLUMN user_name TEXT
+        """,
+        """
+        UPDATE tokens SET user_name = 'legacy-' || substr(digest, 1, 12) WHERE role = 'user'
+        """,
+    ),
+    # 10: who may read each blob, beside admins (and workers, for their
+    # tasks): a user who uploaded its bytes, or whose job produced it. A
+    # digest alone is no right to read: it can be guessed. Nothing is taken
+    # over from before: users' jobs start with 9, and a blob stored earlier
+    # becomes readable to a user who uploads it again.
+    (
+        """
+        CREATE TABLE blob_readers (
+            user_name TEXT NOT NULL,
+            digest    TEXT NOT NULL,
+            PRIMARY KEY (user_name, digest)
+        ) WITHOUT ROWID
+        """,
+    ),
 )
 
 LATEST = len(MIGRATIONS)

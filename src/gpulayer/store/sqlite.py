@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,7 +34,7 @@ _decode_tasks = msgspec.json.Decoder(list[TaskInfo]).decode
 
 _JOB_COLUMNS = (
     "id, seq, state, spec, attempt, owner, worker, slots, gpus, exit_code, reason, "
-    "cancel_requested, pid, pid_created, marks, tasks, given_back"
+    "cancel_requested, pid, pid_created, marks, tasks, given_back, user_name"
 )
 
 
@@ -57,6 +57,7 @@ def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> J
         marks,
         tasks,
         given_back,
+        user,
     ) = row
     return JobInfo(
         id=str(jid),
@@ -66,6 +67,7 @@ def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> J
         attempt=int(attempt),  # type: ignore[call-overload]
         given_back=int(given_back),  # type: ignore[call-overload]
         owner=owner,  # type: ignore[arg-type]
+        user=user,  # type: ignore[arg-type]
         worker=worker,  # type: ignore[arg-type]
         slots=_decode_ints(slots),  # type: ignore[arg-type]
         gpus=_decode_ints(gpus),  # type: ignore[arg-type]
@@ -87,8 +89,8 @@ class _SqliteTransaction(Transaction):
     def insert_job(self, job: JobInfo) -> bool:
         return (
             self.db.execute(
-                "INSERT INTO jobs (id, seq, name, state, priority, spec, attempt, owner, worker, slots, gpus, marks, tasks) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (id) DO NOTHING",
+                "INSERT INTO jobs (id, seq, name, state, priority, spec, attempt, owner, user_name, worker, slots, gpus, marks, tasks) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (id) DO NOTHING",
                 (
                     job.id,
                     job.seq,
@@ -98,6 +100,7 @@ class _SqliteTransaction(Transaction):
                     _encode(job.spec),
                     job.attempt,
                     job.owner,
+                    job.user,
                     job.worker,
                     _encode(job.slots),
                     _encode(job.gpus),
@@ -302,6 +305,12 @@ class _SqliteTransaction(Transaction):
     def delete_workers(self, instance: str) -> None:
         self.db.execute("DELETE FROM workers WHERE instance=?", (instance,))
 
+    def grant_blobs(self, user: str, digests: Iterable[str]) -> None:
+        self.db.executemany(
+            "INSERT INTO blob_readers (user_name, digest) VALUES (?, ?) ON CONFLICT DO NOTHING",
+            [(user, digest) for digest in digests],
+        )
+
 
 class _Guarded:
     """The store's lock, held around one use of its connection. A failure
@@ -415,25 +424,35 @@ class SqliteStore(Store):
             found.setdefault(jid, {})[path] = ArtifactRef(kind=kind, digest=digest, size=size)
         return found
 
-    def get_job(self, job_id: str) -> JobInfo | None:
+    def get_job(self, job_id: str, *, user: str | None = None) -> JobInfo | None:
+        # With ``user``, another user's row is never read: decoding its spec
+        # would make "not yours" slower to answer than "no such job".
+        sql, params = f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id=?", [job_id]
+        if user is not None:
+            sql, params = sql + " AND user_name=?", [job_id, user]
         with self._guarded:
-            row = self._db.execute(
-                f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id=?", (job_id,)
-            ).fetchone()
+            row = self._db.execute(sql, params).fetchone()
             if row is None:
                 return None
             return _job_from_row(row, self._outputs([job_id]).get(job_id, {}))
 
-    def find_job(self, prefix: str) -> list[str]:
+    def find_job(self, prefix: str, *, user: str | None = None) -> list[str]:
+        sql = "SELECT id FROM jobs WHERE id >= ? AND id < ?"
+        params: tuple[str, ...] = (prefix, prefix + "\uffff")
+        if user is not None:
+            sql += " AND user_name = ?"
+            params += (user,)
         with self._guarded:
-            rows = self._db.execute(
-                "SELECT id FROM jobs WHERE id >= ? AND id < ? ORDER BY id LIMIT 2",
-                (prefix, prefix + "\uffff"),
-            ).fetchall()
+            rows = self._db.execute(sql + " ORDER BY id LIMIT 2", params).fetchall()
         return [r[0] for r in rows]
 
     def list_jobs(
-        self, *, states: Iterable[str] = (), owner: str | None = None, limit: int | None = None
+        self,
+        *,
+        states: Iterable[str] = (),
+        owner: str | None = None,
+        user: str | None = None,
+        limit: int | None = None,
     ) -> list[JobInfo]:
         where: list[str] = []
         params: list[object] = []
@@ -444,6 +463,9 @@ class SqliteStore(Store):
         if owner is not None:
             where.append("owner = ?")
             params.append(owner)
+        if user is not None:
+            where.append("user_name = ?")
+            params.append(user)
         sql = f"SELECT {_JOB_COLUMNS} FROM jobs"
         if where:
             sql += " WHERE " + " AND ".join(where)
@@ -567,11 +589,14 @@ class SqliteStore(Store):
         name: str | None,
         created: float,
         expires: float | None = None,
+        *,
+        user: str | None = None,
     ) -> None:
         with self._guarded:
             self._db.execute(
-                "INSERT INTO tokens (digest, role, name, created, expires) VALUES (?,?,?,?,?)",
-                (digest, role, name, created, expires),
+                "INSERT INTO tokens (digest, role, name, created, expires, user_name) "
+                "VALUES (?,?,?,?,?,?)",
+                (digest, role, name, created, expires, user),
             )
 
     def token_role(self, digest: str) -> tuple[str, float | None] | None:
@@ -580,6 +605,20 @@ class SqliteStore(Store):
                 "SELECT role, expires FROM tokens WHERE digest=?", (digest,)
             ).fetchone()
         return None if row is None else (str(row[0]), None if row[1] is None else float(row[1]))
+
+    def token_user(self, digest: str) -> str | None:
+        with self._guarded:
+            row = self._db.execute(
+                "SELECT user_name FROM tokens WHERE digest=?", (digest,)
+            ).fetchone()
+        return None if row is None or row[0] is None else str(row[0])
+
+    def token_users(self) -> dict[str, str]:
+        with self._guarded:
+            rows = self._db.execute(
+                "SELECT digest, user_name FROM tokens WHERE user_name IS NOT NULL"
+            ).fetchall()
+        return {str(digest): str(user) for digest, user in rows}
 
     def count_tokens(self, role: str) -> int:
         with self._guarded:
@@ -596,6 +635,19 @@ class SqliteStore(Store):
             (str(d), str(role), name, float(created), None if expires is None else float(expires))
             for d, role, name, created, expires in rows
         ]
+
+    def readable_blobs(self, user: str, digests: Collection[str]) -> set[str]:
+        if not digests:
+            return set()
+        # The digests as one JSON array: one statement for any number (bound
+        # parameters are limited), each looked up in the primary key.
+        with self._guarded:
+            rows = self._db.execute(
+                "SELECT digest FROM blob_readers WHERE user_name = ? "
+                "AND digest IN (SELECT value FROM json_each(?))",
+                (user, _encode(list(digests))),
+            ).fetchall()
+        return {str(row[0]) for row in rows}
 
     def worker_bindings(self) -> dict[str, str]:
         with self._guarded:

@@ -555,12 +555,16 @@ class HttpTransport(Transport):
         self._post("/api/v1/tasks/logs", batch)
 
     def task_finished(self, result: TaskResult, *, take: bool = True) -> list[Instruction]:
+        body = _encode(result)
+        if len(body) > defaults.RESULT_REPORT_MAX_BYTES:
+            body = _encode(_too_long(result, len(body)))
         # The reply brings what waits for this worker: in a stream of short
         # jobs, its next task, one long poll reply fewer per job.
         if not take:
-            self._post("/api/v1/tasks/finished", result)
+            with self._exchange("POST", "/api/v1/tasks/finished", body=body) as response:
+                response.read()
             return []
-        return self._instructions("/api/v1/tasks/finished", _encode(result), {"take": 1})
+        return self._instructions("/api/v1/tasks/finished", body, {"take": 1})
 
     def local_address(self) -> str:
         """This machine's address on the route to the server (no packet is sent)."""
@@ -573,11 +577,19 @@ class HttpTransport(Transport):
             return socket.gethostname()
 
     def create_token(
-        self, role: str, name: str | None = None, *, expires_in: float | None = None
+        self,
+        role: str,
+        name: str | None = None,
+        *,
+        user: str | None = None,
+        expires_in: float | None = None,
     ) -> str:
-        """A new token (needs an admin token), refused ``expires_in`` seconds
-        from now (None: valid until revoked)."""
+        """A new token (needs an admin token) acting as ``user`` (a user
+        token needs one), refused ``expires_in`` seconds from now (None:
+        valid until revoked)."""
         request: dict[str, object] = {"role": role, "name": name}
+        if user is not None:
+            request["user"] = user
         if expires_in is not None:
             request["expires_in"] = expires_in
         made = self._call("POST", "/api/v1/tokens", _Token, body=_encode(request))
@@ -601,6 +613,24 @@ class HttpTransport(Transport):
             idle, self._idle = self._idle, []
         for _, conn in idle:
             conn.close()
+
+
+def _too_long(result: TaskResult, size: int) -> TaskResult:
+    """What a worker reports for a task whose result is longer than the
+    server takes (refused, it would leave the job running): the task could
+    not report its outputs, and why. Its blobs are stored; nothing names them."""
+    limit = defaults.RESULT_REPORT_MAX_BYTES // 2**20
+    return msgspec.structs.replace(
+        result,
+        outcome="error",
+        outputs={},
+        missing_outputs=[],
+        error=(
+            f"its result lists {len(result.outputs):,} outputs, {size / 2**20:.0f} MiB of JSON, "
+            f"over the {limit} MiB a task's result may take: declare a folder (one output) "
+            "rather than a glob that matches many files"
+        ),
+    )
 
 
 class _Token(msgspec.Struct):
