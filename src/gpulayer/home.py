@@ -5,6 +5,7 @@ Layout::
     <home>/
       .gpulayer-home        marker: bundles never ship a home
       gpulayer.db           the job store (SQLite, WAL)
+      secrets.key           seals jobs' secrets in the store (0600; made at the first secret)
       artifacts/            content-addressed blobs (bundles, inputs, outputs)
       instances/<id>.lock   one per live control plane, flock-held for its life
       workers/<id>/         per-worker task directories

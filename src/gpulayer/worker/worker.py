@@ -2,7 +2,8 @@
 
 Its life, in steps:
 
-1. Detect GPUs (one slot per GPU) or take ``slots`` CPU slots.
+1. Detect GPUs (one slot per GPU) or take ``slots`` CPU slots; set up how
+   it keeps every process its tasks start (``containment.py``).
 2. Register with the control plane; get an id.
 3. Loop: ``acquire`` (a long poll that returns the moment work is placed
    here) and act on each instruction: start a :class:`TaskRun` thread for a
@@ -20,10 +21,13 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import msgspec
 
 from .. import defaults
 from ..artifacts import ArtifactStore
@@ -38,12 +42,14 @@ from ..errors import (
 from ..ids import new_id
 from ..jobs import CancelTask, Instruction, Rendezvous, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
+from .containment import Containment, acquire_containment, release_containment
 from .gpulocks import GpuClaim, claim_gpus
 from .gpus import MIXED_VENDORS, Gpu, detect_gpus
 from .launch import interface_of
 from .ledger import Kept, Ledger
 from .logs import LogSender, in_batches
 from .outbox import Outbox
+from .process import RunAs
 from .task import TaskRun
 from .warden import Warden, open_stdio
 from .workspace import make_spare, reuse_if_empty
@@ -79,9 +85,21 @@ class Worker:
         warden_goodbye: Callable[[str, str | None], None] | None = None,
         on_give_up: Callable[[], None] | None = None,
         gpu_claim: GpuClaim | None = None,
+        max_output_bytes: int = defaults.MAX_OUTPUT_BYTES,
+        containment: str | None = None,
+        run_as: str | None = None,
     ) -> None:
+        """``containment``: how it keeps every process a task starts
+        (``GPULAYER_CONTAINMENT`` if None; see ``containment.py``).
+        ``run_as``: the Unix user its jobs run as (the worker must be root)."""
         if slots is not None and slots < 1:
             raise WorkerError(f"a worker needs at least one slot, got slots={slots}")
+        if max_output_bytes < 1:
+            raise WorkerError(
+                f"a job's outputs need a limit of at least 1 byte, got {max_output_bytes}"
+            )
+        self.max_output_bytes = max_output_bytes
+        self.run_as = None if run_as is None else _run_as(run_as, work_dir)
         self.transport = transport
         self.cache = cache
         self.work_dir = work_dir
@@ -125,8 +143,9 @@ class Worker:
         # The environment every task starts from, taken once (see TaskRun).
         self._base_env = dict(os.environb)
         # The worker's token is its own, not its jobs': a job that printed it
-        # would hand it to every reader of its logs.
-        self._base_env.pop(b"GPULAYER_TOKEN", None)
+        # would hand it to every reader of its logs. A job gets no credential.
+        for name in (defaults.TOKEN_ENV, defaults.TOKEN_FILE_ENV):
+            self._base_env.pop(os.fsencode(name), None)
         self._dir_numbers = itertools.count(1)
         if warden and not ledger:
             raise WorkerError("a worker's warden ends what its ledger lists: ledger=True")
@@ -148,7 +167,12 @@ class Worker:
         self._stopped = False
         self._warden: Warden | None = None
         own_claim: GpuClaim | None = None
+        self._containment: Containment | None = None
         try:
+            # Before the warden's fork, which it must reach, and before any
+            # thread: a cgroup's set-up moves this process.
+            self._containment = acquire_containment(containment)
+            self.info.containment = self._containment.kind
             # Machine-wide: no other worker, however started, offers these
             # GPUs while this one does (see gpulocks.py).
             if gpu_claim is not None and gpu_claim.gpus != self.gpus:
@@ -159,7 +183,12 @@ class Worker:
                 assert self._ledger is not None
                 # It ends the tasks as soon as the worker dies (warden.py):
                 # forked here, before the worker has a thread.
-                self._warden = Warden(self._ledger, grace=kill_grace, goodbye=warden_goodbye)
+                self._warden = Warden(
+                    self._ledger,
+                    grace=kill_grace,
+                    goodbye=warden_goodbye,
+                    containment=self._containment,
+                )
             self._logs = LogSender(transport.append_logs)  # a thread: after the warden's fork
         except BaseException:
             if self._ledger is not None:
@@ -168,6 +197,7 @@ class Worker:
                 self._warden.release()
             if own_claim is not None:  # its own: let go of it
                 own_claim.release()
+            self._release_containment()
             raise
 
     @property
@@ -208,6 +238,7 @@ class Worker:
                 self._claim.release()  # its GPUs are free for another worker
                 if self._warden is not None:  # it took no task to end
                     self._warden.release()
+                self._release_containment()
             raise
 
     def _stop_soon(self, wait: float) -> None:
@@ -276,6 +307,8 @@ class Worker:
         self._interface = interface_of(self.info.address)
         self.tasks_dir = self.work_dir / self.info.id
         self._spares = [make_spare(self._new_dir()) for _ in self.info.slot_gpus[:4]]
+        if self.run_as is not None:  # its jobs go down to their folders in it
+            self.tasks_dir.chmod(0o711)
         self._thread = threading.Thread(
             target=self._loop, name=f"gpulayer-worker-{self.info.id}", daemon=True
         )
@@ -513,6 +546,12 @@ class Worker:
             keep = None if self._ledger is None else functools.partial(self._ledger.keep, result)
             self._outbox.send(lambda: self._finish(result), keep)
             return
+        if task.spec.secrets:
+            # A job's environment is made from its spec's env (task.py): its
+            # secrets (names checked apart from env's) join it here.
+            spec = task.spec
+            env = {**spec.env, **spec.secrets}
+            task = msgspec.structs.replace(task, spec=msgspec.structs.replace(spec, env=env))
         with self._tasks_lock:
             task_dir = self._spares.pop() if self._spares else make_spare(self._new_dir())
         run = TaskRun(
@@ -533,6 +572,9 @@ class Worker:
             finish=self._finish,
             keep=None if self._ledger is None else self._ledger.keep,
             defer_started=defaults.REPORT_STARTED_AFTER_S if self.heartbeat_interval else None,
+            max_output_bytes=self.max_output_bytes,
+            containment=self._containment,
+            run_as=self.run_as,
         )
         with self._tasks_lock:
             self._tasks[run.key] = run
@@ -552,7 +594,10 @@ class Worker:
             self._ledger.forget(f"{run.task.job_id}-{run.task.attempt}")
         spare = None
         if not self._stopping.is_set():
-            spare = reuse_if_empty(run.dir) or make_spare(self._new_dir())
+            # A workspace its job's user owned is never reused: another job
+            # of that user could plant links in it before the next prepare.
+            reused = None if self.run_as is not None else reuse_if_empty(run.dir)
+            spare = reused or make_spare(self._new_dir())
         if spare != run.dir:
             # Off this thread: it may go on to supervise the next task, whose
             # pipes must not wait for a big workspace to be deleted.
@@ -565,6 +610,11 @@ class Worker:
             if spare is not None:
                 self._spares.append(spare)
             self._idle.notify_all()
+
+    def _release_containment(self) -> None:
+        held, self._containment = self._containment, None
+        if held is not None:  # its warden, let go of already, leaves with it
+            release_containment(held, leaving=[] if self._warden is None else [self._warden.pid])
 
     def running(self) -> int:
         with self._tasks_lock:
@@ -634,6 +684,28 @@ class Worker:
                 self._ledger.close()
             if self._warden is not None:
                 self._warden.release()
+            self._release_containment()
         # Else a task outlived the wait: its folder and the ledger stay, for
         # the next worker on this home to end what is left and tidy up.
         return all_ended
+
+
+def _run_as(user: str, work_dir: Path) -> RunAs:
+    """The user jobs run as, once it is known they can: WorkerError if not."""
+    run_as = RunAs.lookup(user)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    blocked = run_as.can_reach(work_dir)
+    if blocked is not None:
+        raise WorkerError(
+            f"--run-as {user}: its jobs could not reach their folders in {work_dir}: "
+            f"{blocked} does not let {run_as.name} through; use a home it can go down to "
+            "(folders of mode 0711 or 0755 above it)"
+        )
+    if run_as.can_reach(Path(sys.executable).parent) is not None:
+        log.warning(
+            "--run-as %s: it cannot reach this worker's Python (%s), which runs script jobs; "
+            "command jobs naming another interpreter still run",
+            user,
+            sys.executable,
+        )
+    return run_as
