@@ -92,7 +92,17 @@ def _client(ctx: click.Context) -> Client:
     help="GPUlayer home (embedded mode).",
 )
 @click.option("--server", envvar="GPULAYER_SERVER", help="Control-plane URL (server mode).")
-@click.option("--token", envvar="GPULAYER_TOKEN", help="API token for the server.")
+@click.option(
+    "--token",
+    help="API token for the server; visible to local users in `ps`: prefer $GPULAYER_TOKEN "
+    "or --token-file.",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False),
+    help="A file holding the API token, readable by its owner only "
+    "(default: $GPULAYER_TOKEN, else $GPULAYER_TOKEN_FILE).",
+)
 @click.option(
     "--ca-file",
     envvar="GPULAYER_CA_FILE",
@@ -107,11 +117,24 @@ def main(
     home: str | None,
     server: str | None,
     token: str | None,
+    token_file: str | None,
     ca_file: str | None,
     verbose: bool,
 ) -> None:
     """Run ML jobs on the GPU machines you already own."""
-    ctx.obj = {"home": home, "server": server, "token": token, "ca_file": ca_file}
+    from .credentials import ON_COMMAND_LINE, find_token, keep_memory_private
+
+    # Before a token is read: no other process of this user (a job, also one
+    # of the local workers `run --workers` starts) can read this one's
+    # environment or memory from here on (credentials.py).
+    keep_memory_private()
+    if token is not None:
+        click.echo(f"gpulayer: warning: {ON_COMMAND_LINE}", err=True)
+    # A worker's jobs inherit its environment: its token leaves it.
+    worker = ctx.invoked_subcommand == "worker"
+    found = find_token(token=token, token_file=token_file, forget=worker)
+    ctx.obj = {"home": home, "server": server, "token": found, "ca_file": ca_file}
+    ctx.obj["token_on_command_line"] = token is not None or token_file is not None
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("gpulayer: %(message)s"))
     root = logging.getLogger("gpulayer")
@@ -172,6 +195,21 @@ def _load_yaml(path: str) -> dict[str, Any]:
 @click.option(
     "--env", "env", multiple=True, metavar="K=V", help="An environment variable for the job."
 )
+@click.option(
+    "--secret",
+    "secrets",
+    multiple=True,
+    metavar="NAME[=VALUE]",
+    help="An environment variable whose value is stored encrypted and never shown back; "
+    "NAME alone passes this shell's $NAME.",
+)
+@click.option(
+    "--env-file",
+    "env_files",
+    multiple=True,
+    type=click.Path(dir_okay=False, exists=True),
+    help="A file of NAME=VALUE lines, each passed as a --secret.",
+)
 @click.option("--label", "labels", multiple=True, metavar="K=V", help="A label to find the job by.")
 @click.option(
     "--source",
@@ -226,6 +264,16 @@ def run(
             fields[key] = {**fields.get(key, {}), **_pairs(flags[key], option)}
     if flags["outputs"]:
         fields["outputs"] = [*fields.get("outputs", []), *flags["outputs"]]
+    secrets = _secrets(flags["env_files"], flags["secrets"])
+    if secrets:
+        fields["secrets"] = secrets
+    for key in _pairs(flags["env"], "--env"):
+        if _CREDENTIAL_NAME.search(key):
+            click.echo(
+                f"gpulayer: warning: --env {key} is stored and shown in plain text; "
+                f"a credential goes in --secret {key}",
+                err=True,
+            )
     for key in (
         "gpus",
         "nodes",
@@ -274,6 +322,44 @@ def run(
     ctx.exit(code)
 
 
+# Names of variables that usually hold a credential (said of an --env).
+_CREDENTIAL_NAME = re.compile(
+    r"TOKEN|SECRET|PASSW|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.IGNORECASE
+)
+
+
+def _secrets(env_files: Sequence[str], given: Sequence[str]) -> dict[str, str]:
+    """A job's secrets: each --env-file's lines, then each --secret. Errors
+    name what is wrong, never a value."""
+    from .secretbox import read_env_file
+
+    found: dict[str, str] = {}
+    for path in env_files:
+        found.update(read_env_file(path))
+    visible = False
+    for item in given:
+        name, sep, value = item.partition("=")
+        if not name:
+            raise click.BadParameter("expected NAME or NAME=VALUE", param_hint="--secret")
+        if not sep:
+            if name not in os.environ:
+                raise click.BadParameter(
+                    f"${name} is not set here; set it, or give {name}=VALUE",
+                    param_hint="--secret",
+                )
+            value = os.environ[name]
+        visible = visible or bool(sep)
+        found[name] = value
+    if visible:
+        click.echo(
+            "gpulayer: warning: a --secret NAME=VALUE is visible to every user of this "
+            "machine (in `ps`) while this command runs; --secret NAME (from this shell's "
+            "environment) and --env-file FILE are not",
+            err=True,
+        )
+    return found
+
+
 def _stream(job: Job) -> None:
     out, err = sys.stdout, sys.stderr
     for line in job.stream_logs(follow=True):
@@ -292,7 +378,7 @@ def jobs(ctx: click.Context, states: tuple[str, ...], limit: int) -> None:
     from rich.table import Table
 
     table = Table(box=None)
-    for column in ("ID", "NAME", "STATE", "EXIT", "GPUS", "WORKER", "SUBMITTED", "TOOK"):
+    for column in ("ID", "USER", "NAME", "STATE", "EXIT", "GPUS", "WORKER", "SUBMITTED", "TOOK"):
         table.add_column(column, no_wrap=True, max_width=28 if column == "NAME" else None)
     for job in _client(ctx).jobs(state=states or None, limit=limit):
         info = job.info
@@ -300,6 +386,7 @@ def jobs(ctx: click.Context, states: tuple[str, ...], limit: int) -> None:
         submitted = info.marks.get("submitted")
         table.add_row(
             info.id,
+            info.user or "-",
             info.spec.name or _what(info.spec),
             _state(info.state),
             "" if info.exit_code is None else str(info.exit_code),
@@ -342,6 +429,7 @@ def show(ctx: click.Context, job_id: str) -> None:
     spec = info.spec
     rows: Mapping[str, object] = {
         "id": info.id,
+        "user": info.user or "- (submitted before jobs had users, or by an admin without one)",
         "name": spec.name,
         "state": _state(info.state),
         "exit code": info.exit_code,
@@ -366,6 +454,10 @@ def show(ctx: click.Context, job_id: str) -> None:
         else ", ".join(f"node {t.node}: {t.worker}" for t in info.tasks),
         "gpu ids": ",".join(map(str, info.gpus)) or None,
         "labels": ", ".join(f"{k}={v}" for k, v in spec.labels.items()) or None,
+        "secrets": ", ".join(sorted(spec.secrets)) or None,  # names only: values never show
+        # What all its processes used (kept with its marks), where measured.
+        "cpu seconds": f"{info.marks['cpu_s']:.3f}" if "cpu_s" in info.marks else None,
+        "peak memory": _mib(info.marks["peak_memory"]) if "peak_memory" in info.marks else None,
     }
     table = Table(box=None, show_header=False)
     for key, value in rows.items():
@@ -386,6 +478,10 @@ def show(ctx: click.Context, job_id: str) -> None:
         for path, ref in info.outputs.items():
             t.add_row(path, ref.kind, str(ref.size), ref.digest[:16])
         console.print(t)
+
+
+def _mib(size: float) -> str:
+    return f"{size / 2**20:.1f} MiB (page cache included)"
 
 
 @main.command()
@@ -416,11 +512,17 @@ def workers(ctx: click.Context) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("ID", "NAME", "HOST", "SLOTS", "GPUS", "RUNNING", box=None)
+    table = Table("ID", "NAME", "HOST", "SLOTS", "GPUS", "CONTAINMENT", "RUNNING", box=None)
     for w in _client(ctx).workers():
         gpus = ", ".join(w.gpu_names) if w.gpu_names else "-"
         table.add_row(
-            w.id, w.name, w.host, str(len(w.slot_gpus)), gpus, ", ".join(w.running) or "-"
+            w.id,
+            w.name,
+            w.host,
+            str(len(w.slot_gpus)),
+            gpus,
+            w.containment or "-",
+            ", ".join(w.running) or "-",
         )
     Console().print(table)
 
@@ -522,6 +624,25 @@ def worker() -> None:
     show_default=True,
     help="Seconds between SIGTERM and SIGKILL when a task is cancelled or times out.",
 )
+@click.option(
+    "--max-output-bytes",
+    "max_output",
+    metavar="SIZE",
+    help="The most one job's outputs may total, as 10G, 512M or bytes (default 10G); "
+    "a job over it fails, and nothing of its outputs is stored.",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False),
+    help="A file holding the worker's token, readable by its owner only "
+    "(default: $GPULAYER_TOKEN, else $GPULAYER_TOKEN_FILE).",
+)
+@click.option(
+    "--run-as",
+    metavar="USER",
+    help="Run jobs as this Unix user, not the worker's (the worker must run as root): "
+    "they cannot read the worker's memory, token or files, nor write its cache.",
+)
 @click.pass_context
 def worker_start(
     ctx: click.Context,
@@ -531,21 +652,45 @@ def worker_start(
     cache: str | None,
     advertise: str | None,
     kill_grace: float,
+    max_output: str | None,
+    token_file: str | None,
+    run_as: str | None,
 ) -> None:
-    """Offer this machine's slots to a server until stopped (SIGTERM or Ctrl-C)."""
+    """Offer this machine's slots to a server until stopped (SIGTERM or Ctrl-C).
+
+    Its token comes from --token-file, $GPULAYER_TOKEN or $GPULAYER_TOKEN_FILE
+    (not --token, which every local user sees in `ps`); its jobs get no token.
+    """
     import signal
 
     from . import defaults
     from .artifacts import ArtifactStore
+    from .credentials import read_token_file
     from .home import resolve_home
+    from .outputs import parse_size
     from .transport.http import HttpTransport
     from .worker.gpulocks import claim_gpus
     from .worker.gpus import detect_gpus, select_gpus
+    from .worker.process import RunAs
     from .worker.worker import Worker
 
     url = ctx.obj["server"]
     if not url:
         raise click.UsageError("a worker needs a server: --server URL or GPULAYER_SERVER")
+    if token_file is not None and ctx.obj["token_on_command_line"]:
+        raise click.UsageError(
+            "the worker's token is given twice: with --token-file after `start`, give no "
+            "--token or --token-file before `worker`"
+        )
+    token = read_token_file(token_file) if token_file is not None else ctx.obj["token"]
+    if run_as is not None:
+        RunAs.lookup(run_as)  # a worker that cannot, says so before it claims anything
+    try:
+        max_output_bytes = (
+            defaults.MAX_OUTPUT_BYTES if max_output is None else parse_size(max_output)
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-output-bytes") from None
     try:
         gpus = select_gpus(detect_gpus() if gpu_choice != "none" else [], gpu_choice)
     except ValueError as exc:
@@ -556,7 +701,7 @@ def worker_start(
     for left_out in claim.taken:
         click.echo(f"gpulayer: not offering {left_out}", err=True)
     home = resolve_home(ctx.obj["home"])
-    transport = HttpTransport(url, token=ctx.obj["token"], ca_file=ctx.obj["ca_file"])
+    transport = HttpTransport(url, token=token, ca_file=ctx.obj["ca_file"])
     stop = _StopRequest()
     node: Worker | None = None
     # Before the worker is made (its GPUs detected, its warden forked): a
@@ -570,7 +715,7 @@ def worker_start(
         # In the worker's warden, another process: a connection of its own, one try.
         farewell = HttpTransport(
             url,
-            token=ctx.obj["token"],
+            token=token,
             ca_file=ctx.obj["ca_file"],
             timeout=defaults.WARDEN_GOODBYE_TIMEOUT_S,
             retries=1,
@@ -586,12 +731,14 @@ def worker_start(
         gpus=claim.gpus,
         gpu_claim=claim,
         kill_grace=kill_grace,
+        max_output_bytes=max_output_bytes,
         heartbeat_interval=defaults.HEARTBEAT_INTERVAL_S,
         address=advertise or transport.local_address(),
         ledger=True,
         warden=True,
         warden_goodbye=goodbye,
         on_give_up=stop.set,
+        run_as=run_as,
     )
     node.start()
     click.echo(
@@ -704,22 +851,33 @@ def _duration(value: str | None) -> float | None:
 @click.option("--role", type=click.Choice(["worker", "user", "admin"]), required=True)
 @click.option("--name", help="What the token is for.")
 @click.option(
+    "--user",
+    help="The user it acts as: whose jobs it submits and sees (needed for --role user; "
+    "an admin token may have one; a worker token has none).",
+)
+@click.option(
     "--expires-in",
     metavar="DURATION",
     help="Refuse it after this long (90m, 12h, 30d, 2w; default: valid until revoked).",
 )
 @click.pass_context
-def token_create(ctx: click.Context, role: str, name: str | None, expires_in: str | None) -> None:
+def token_create(
+    ctx: click.Context, role: str, name: str | None, user: str | None, expires_in: str | None
+) -> None:
     """Make a token and print it (it is shown only this once)."""
     seconds = _duration(expires_in)
-    click.echo(_admin_transport(ctx).create_token(role, name, expires_in=seconds))
+    if role == "user" and user is None:
+        raise click.UsageError(
+            "a user token needs --user NAME: the user whose jobs it submits and sees"
+        )
+    click.echo(_admin_transport(ctx).create_token(role, name, user=user, expires_in=seconds))
 
 
 @token.command("list")
 @click.pass_context
 def token_list(ctx: click.Context) -> None:
-    """List the server's tokens, oldest first: id, role, name, when made, when
-    it expires."""
+    """List the server's tokens, oldest first: id, role, user, name, when
+    made, when it expires."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -727,7 +885,7 @@ def token_list(ctx: click.Context) -> None:
     def when(at: float) -> str:
         return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
 
-    table = Table("ID", "ROLE", "NAME", "CREATED", "EXPIRES", box=None)
+    table = Table("ID", "ROLE", "USER", "NAME", "CREATED", "EXPIRES", box=None)
     now = time.time()
     for made in _admin_transport(ctx).list_tokens():
         if made.expires is None:
@@ -735,7 +893,8 @@ def token_list(ctx: click.Context) -> None:
         else:
             expires = when(made.expires) + (" (expired)" if made.expires <= now else "")
         name = escape(made.name) if made.name else "-"
-        table.add_row(made.id, made.role, name, when(made.created), expires)
+        user = escape(made.user) if made.user else "-"
+        table.add_row(made.id, made.role, user, name, when(made.created), expires)
     Console().print(table)
 
 

@@ -12,6 +12,14 @@ HOME_ENV = "GPULAYER_HOME"
 # A file that marks a directory as a GPUlayer home, so bundles never ship one.
 HOME_MARKER = ".gpulayer-home"
 DB_FILENAME = "gpulayer.db"
+# The key that seals job secrets at rest, beside the job store in the home
+# (a copy of the database without it reveals no secret); made on first use.
+SECRETS_KEY_FILENAME = "secrets.key"
+
+# Where a process finds its API token, and a file holding one. A worker takes
+# them out of its jobs' environment (a token is the worker's, not its jobs').
+TOKEN_ENV = "GPULAYER_TOKEN"
+TOKEN_FILE_ENV = "GPULAYER_TOKEN_FILE"
 
 # Outputs and logs fetched by a client land beside the user's script here.
 RUNS_DIRNAME = "gpulayer_runs"
@@ -41,9 +49,31 @@ LOG_LINE_MAX_BYTES = 64 * 1024
 LOG_BATCH_MAX_BYTES = 960 * 1024
 # The largest JSON request body the server reads (blobs are streamed, and
 # have no such limit); what can be longer is sent in parts.
-JSON_BODY_MAX_BYTES = 64 * 1024 * 1024
+JSON_BODY_MAX_BYTES = 1024 * 1024
+# What the server reads of each kind of worker report; a body past its limit
+# is refused (413) on its Content-Length, or as soon as it streams past it,
+# never read further. Register, heartbeat, started and rendezvous carry ids
+# and numbers: about 30 bytes per slot or task, so 1 MiB holds a worker of
+# some 35,000 busy slots.
+REPORT_MAX_BYTES = 1024 * 1024
+# A batch of log lines: the sender keeps each within LOG_BATCH_MAX_BYTES; this
+# leaves room for the batch's own fields.
+LOG_REPORT_MAX_BYTES = 2 * 1024 * 1024
+# A task's result: its outputs take an entry (about 100 bytes and the path)
+# per file a glob matched, so 16 MiB holds some 100,000 files (a folder output
+# is one entry). A worker whose result would not fit reports the task failed
+# instead, saying why (see transport/http.py).
+RESULT_REPORT_MAX_BYTES = 16 * 1024 * 1024
+# A submit: a spec is at most 256 KiB of JSON (spec.MAX_SPEC_BYTES); this
+# leaves room for JSON escapes, so most refused specs are refused with the
+# field named.
+SUBMIT_MAX_BYTES = 2 * 1024 * 1024
 # Digests asked about in one request for the blobs a server lacks.
 MISSING_BLOBS_PER_REQUEST = 50_000
+# ...whose request body is then at most this (a digest and its quotes, 67 bytes).
+BLOB_LIST_MAX_BYTES = 4 * 1024 * 1024
+# Jobs in one listing: each may be a 256 KiB spec, so a listing is bounded.
+LIST_JOBS_MAX = 1000
 # How many trailing stderr lines a failed job's error message carries.
 STDERR_TAIL_LINES = 20
 # ...each cut at this many characters.
@@ -51,19 +81,26 @@ STDERR_TAIL_LINE_MAX = 1000
 
 # Cancel and timeout: SIGTERM, then this long to exit cleanly, then SIGKILL.
 KILL_GRACE_S = 10.0
-# After a job's main process exits, how long its pipes may stay open (held by
-# a stray descendant) before the stragglers are killed.
+# After a job's main process exits, what it left running gets SIGTERM, and
+# this long (to leave, or to close the pipes it holds) before SIGKILL.
 PIPE_DRAIN_S = 2.0
+# How a worker keeps every process a task starts, to end them all with it:
+# "cgroup" (a cgroup v2 per task; an error where it cannot make one),
+# "subreaper" (orphans come back to the worker), or "auto": the first that
+# works. A Worker's own option wins over this variable.
+CONTAINMENT_ENV = "GPULAYER_CONTAINMENT"
 
 # A bundle or input above this size gets a warning: it is uploaded at every
 # launch unless unchanged.
 LARGE_BUNDLE_BYTES = 100 * 1024 * 1024
-# Materialising a bundle file into a workspace: smaller files are copied,
-# larger ones cloned (copy-on-write) where the filesystem can, else hard-linked
-# read-only to the cache blob. A hard link shares the blob's inode, so a job
-# editing such a file in place (root ignores the 0444 mode) would corrupt the
-# cache; jobs must not edit large bundled files or inputs in place.
-# Executables are always copied (a link cannot carry their own mode).
+# Materialising a bundle file or an input into a workspace: smaller files are
+# copied (as cheap as a clone), larger ones cloned (copy-on-write) where the
+# filesystem can, else copied too: the job's user owns the copy and may edit
+# it, never the cache's blob. Only where the job's user cannot write the blob
+# (run as another Unix user) are they hard-linked to it instead, read-only:
+# a link shares the blob's inode, and its owner could chmod it and edit every
+# later job's bytes. Executables are always copied (a link cannot carry their
+# own mode).
 LINK_MIN_BYTES = 1024 * 1024
 # Storing more than this many new bytes shows a progress bar in the CLI.
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
@@ -84,6 +121,9 @@ MANIFEST_DIGESTS_KEPT = 200_000
 
 # Server mode.
 SERVER_PORT = 8585
+# The user an embedded home's jobs belong to when the OS login name is not a
+# valid user name (see access.py); embedded, that user sees every job.
+LOCAL_USER = "local"
 # Workers heartbeat this often; one silent for the timeout is declared lost
 # and its tasks retried elsewhere (within their budget) or ended ``lost``.
 HEARTBEAT_INTERVAL_S = 5.0
@@ -99,6 +139,15 @@ UNACKED_MAX = 10_000
 # A task that ends while the server is unreachable keeps trying to store its
 # outputs this long before it is reported as failed.
 OUTPUT_UPLOAD_PATIENCE_S = 600.0
+# The most a job's declared outputs may total (apparent sizes: a sparse file
+# counts in full, as it is stored and downloaded in full); beyond it the job
+# fails and nothing is stored. Every byte goes to the control plane's disk,
+# and by default to the client's on download. 10 GiB holds the bf16 weights
+# of a 5-billion-parameter model, or the whole training state (fp32 weights
+# and Adam moments, 12 bytes a parameter) of one of 900 million, while one
+# runaway job cannot fill a server's disk unnoticed. Bigger files belong on
+# shared storage. `gpulayer worker start --max-output-bytes` sets it.
+MAX_OUTPUT_BYTES = 10 * 1024**3
 # The server freezes long-lived objects out of the garbage collector's view
 # this often, and runs a real full collection this often (see http/server.py).
 GC_FREEZE_INTERVAL_S = 1.0  # gc.freeze() itself costs nothing: it moves a list

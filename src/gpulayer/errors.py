@@ -7,6 +7,8 @@ catches anything GPUlayer itself decided was wrong::
     ├── SpecError            a job spec is invalid (names the field and why)
     ├── BundleError          a source tree or input cannot be packed or unpacked
     │   └── UnsafePathError  a bundle entry would land outside its workspace
+    │       └── UnsafeOutputError  (also a SpecError; gpulayer.outputs) a task's
+    │                           result names an output its job did not declare safely
     ├── ArtifactError        a blob is missing or its bytes do not match its digest
     ├── StoreError           the database cannot be used (e.g. schema too new)
     ├── JobNotFoundError     no job has that id (or the prefix is ambiguous)

@@ -67,6 +67,10 @@ class JobInfo(msgspec.Struct, kw_only=True):
     # of a job of several): they do not count against ``spec.max_retries``.
     given_back: int = 0
     owner: str | None = None  # the control-plane instance responsible for it
+    # The user who submitted it, who alone (with admins) may see it (see
+    # access.py). None: submitted before jobs had users, or with an
+    # admin token that has none: only admins see it.
+    user: str | None = None
     worker: str | None = None
     slots: list[int] = []
     gpus: list[int] = []
@@ -115,6 +119,9 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     # Where other machines reach this worker (node 0's is a distributed job's
     # MASTER_ADDR): the address it reaches the server from, unless overridden.
     address: str | None = None
+    # How it keeps every process a job starts, to end them with the job:
+    # "cgroup v2", "subreaper" or "process tree" (see worker/containment.py).
+    containment: str | None = None
     instance: str | None = None
     started: float = 0.0
     last_seen: float = 0.0
@@ -202,6 +209,11 @@ class TaskResult(msgspec.Struct, kw_only=True):
     outputs: dict[str, ArtifactRef] = {}
     missing_outputs: list[str] = []
     marks: dict[str, float] = {}  # acquired/prepared/started/exited when known
+    # What all its processes used, where the worker's containment measures
+    # it (a cgroup per task); also in ``marks`` as "cpu_s" and "peak_memory",
+    # which the job's record keeps.
+    cpu_s: float | None = None  # CPU seconds, user and system
+    peak_memory: int | None = None  # bytes, page cache included
 
 
 def next_state(
@@ -227,10 +239,15 @@ def describe_failure(result: TaskResult) -> str | None:
     """The reason line stored with a job that did not succeed."""
     if result.outcome == "exited" and result.exit_code == 0:
         return _missing(result)
-    if result.outcome == "error":
+    if result.outcome == "error" and result.exit_code is not None:
+        # It ran; what followed failed (its outputs were over the limit, say).
+        head = f"exited with code {result.exit_code}, but {result.error}"
+    elif result.outcome == "error":
         head = f"could not run: {result.error}"
     elif result.outcome == "timed_out":
         head = "ran past its timeout and was terminated"
+        if result.error:  # and its outputs were refused
+            head += f"; {result.error}"
     elif result.outcome == "cancelled":
         head = "cancelled"
     elif result.outcome == "lost":

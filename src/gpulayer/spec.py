@@ -29,12 +29,13 @@ MAX_PROCS_PER_NODE = 256
 MAX_NAME_CHARS = 256  # a job's name
 MAX_ARGV_ITEMS = 4096  # command and args together
 MAX_ARG_BYTES = 128 * 1024  # one argument or env value: Linux's MAX_ARG_STRLEN
-# command, args and env together: under the 2 MiB that execve() takes with
-# the default 8 MiB stack, leaving room for the worker's own variables.
-MAX_LAUNCH_BYTES = 1024 * 1024
-# The whole spec as JSON: a bound on what one job costs to store and to list
-# (a listing of a hundred jobs stays under a hundred MiB in the worst case).
-MAX_SPEC_BYTES = 1024 * 1024
+# command, args and env together: well under the 2 MiB that execve() takes
+# with the default 8 MiB stack, leaving room for the worker's own variables.
+MAX_LAUNCH_BYTES = 256 * 1024
+# The whole spec as JSON: a bound on what one job costs to store, to keep in
+# memory while it is queued or lately finished, and to list (at most 1,000 a
+# listing). A real job's is a few KiB.
+MAX_SPEC_BYTES = 256 * 1024
 MAX_ENV_ITEMS = 1024
 MAX_PATH_CHARS = 4096  # a script or output path: PATH_MAX
 MAX_OUTPUTS = 1024
@@ -47,6 +48,8 @@ MAX_TIMEOUT_S = 366 * 24 * 3600.0
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# What every record handed out shows in place of a secret's value.
+REDACTED = "<redacted>"
 
 
 class ArtifactRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -71,6 +74,9 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     inputs: dict[str, ArtifactRef] = {}
     outputs: list[str] = []
     env: dict[str, str] = {}
+    # Environment variables whose values are never shown back: sealed at
+    # rest, "<redacted>" in every record handed out (see secretbox.py).
+    secrets: dict[str, str] = {}
     gpus: NonNegInt = 0
     nodes: PosInt = 1
     procs_per_node: PosInt = 1
@@ -80,6 +86,13 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
     name: str | None = None
     labels: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        # Never a secret's value: not in a traceback, a log line or a test's diff.
+        return msgspec.Struct.__repr__(redact(self))
+
+    def __rich_repr__(self) -> Any:
+        yield from msgspec.Struct.__rich_repr__(redact(self))
 
     @property
     def world_size(self) -> int:
@@ -137,6 +150,7 @@ def check_spec(spec: JobSpec) -> None:
     for key in spec.env:
         if not _ENV_RE.match(key):
             raise SpecError(f"env.{key}", "not a valid environment variable name")
+    check_secrets(spec)
     if spec.name is not None and not spec.name.strip():
         raise SpecError("name", "must not be blank")
     _check_sizes(spec)
@@ -158,25 +172,28 @@ def _check_sizes(spec: JobSpec) -> None:
     """Every string and collection of a spec within its limit (see the MAX_ constants)."""
     if spec.name is not None:
         _at_most("name", len(spec.name), MAX_NAME_CHARS, "characters")
+        _text_bytes("name", spec.name)
     argv = [*(spec.command or []), *spec.args]
     _at_most("args", len(argv), MAX_ARGV_ITEMS, "items in command and args together")
     launch = 0
     for field, items in (("command", spec.command or []), ("args", spec.args)):
         for index, arg in enumerate(items):
-            size = len(arg.encode("utf-8", "surrogateescape"))
+            size = _text_bytes(f"{field}[{index}]", arg)
             _at_most(f"{field}[{index}]", size, MAX_ARG_BYTES, "bytes")
             launch += size + 1
     _at_most("env", len(spec.env), MAX_ENV_ITEMS, "variables")
     for key, value in spec.env.items():
-        size = len(value.encode("utf-8", "surrogateescape"))
+        size = _text_bytes(f"env.{key[:64]}", value)
         _at_most(f"env.{key[:64]}", size, MAX_ARG_BYTES, "bytes")
         launch += len(key) + size + 2
     _at_most("env", launch, MAX_LAUNCH_BYTES, "bytes of command, args and env together")
     if spec.script is not None:
         _at_most("script", len(spec.script), MAX_PATH_CHARS, "characters")
+        _text_bytes("script", spec.script)
     _at_most("outputs", len(spec.outputs), MAX_OUTPUTS, "entries")
     for index, path in enumerate(spec.outputs):
         _at_most(f"outputs[{index}]", len(path), MAX_PATH_CHARS, "characters")
+        _text_bytes(f"outputs[{index}]", path)
     _at_most("inputs", len(spec.inputs), MAX_INPUTS, "entries")
     _at_most("labels", len(spec.labels), MAX_LABELS, "entries")
     for key, value in spec.labels.items():
@@ -184,6 +201,7 @@ def _check_sizes(spec: JobSpec) -> None:
             raise SpecError("labels", "a label's key must not be empty")
         _at_most(f"labels.{key[:64]}", len(key), MAX_LABEL_KEY_CHARS, "characters in its key")
         _at_most(f"labels.{key[:64]}", len(value), MAX_LABEL_VALUE_CHARS, "characters in its value")
+        _text_bytes(f"labels.{key[:64]}", key + value)
     size = len(_encode(spec))
     _at_most("spec", size, MAX_SPEC_BYTES, "bytes of JSON for the whole spec")
     if spec.timeout is not None and not spec.timeout <= MAX_TIMEOUT_S:
@@ -194,9 +212,62 @@ def _check_sizes(spec: JobSpec) -> None:
         )
 
 
+def _text_bytes(field: str, value: str) -> int:
+    """The length of ``value`` in UTF-8; a SpecError naming ``field`` (never
+    the value: it may be a secret) for text a process cannot be given."""
+    if "\x00" in value:
+        raise SpecError(
+            field, "holds a NUL character, which no program's arguments or environment can"
+        )
+    try:
+        return len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise SpecError(
+            field, "is not valid UTF-8 text (a lone surrogate: bytes that were not UTF-8)"
+        ) from None
+
+
 def _at_most(field: str, size: int, limit: int, unit: str) -> None:
     if size > limit:
         raise SpecError(field, f"at most {limit:,} {unit}, got {size:,}")
+
+
+def check_secrets(spec: JobSpec) -> None:
+    """Secret names are environment variable names of their own, and secrets
+    count in the limits of the environment they join; never says a value."""
+    if not spec.secrets:
+        return
+    count = len(spec.env) + len(spec.secrets)
+    _at_most("secrets", count, MAX_ENV_ITEMS, "variables in env and secrets together")
+    for key, value in spec.secrets.items():
+        if not _ENV_RE.match(key):
+            raise SpecError(f"secrets.{key[:64]}", "not a valid environment variable name")
+        size = _text_bytes(f"secrets.{key}", value)
+        _at_most(f"secrets.{key}", size, MAX_ARG_BYTES, "bytes")
+    launch = sum(_text_bytes("command", a) + 1 for a in spec.command or [])
+    launch += sum(_text_bytes("args", a) + 1 for a in spec.args)
+    for key, value in (*spec.env.items(), *spec.secrets.items()):
+        launch += len(key) + _text_bytes(f"env.{key}", value) + 2
+    _at_most("secrets", launch, MAX_LAUNCH_BYTES, "bytes of command, args, env and secrets")
+    for key, value in spec.secrets.items():
+        if key in spec.env:
+            raise SpecError(
+                f"secrets.{key}",
+                "also given in env; give it once, as a secret or as a plain variable",
+            )
+        if value == REDACTED:
+            # A record's spec submitted again: its values were never in it.
+            raise SpecError(
+                f"secrets.{key}",
+                f"holds {REDACTED!r}, what job records show in place of a secret; give the value",
+            )
+
+
+def redact(spec: JobSpec) -> JobSpec:
+    """``spec`` with each secret's value replaced by :data:`REDACTED`."""
+    if not spec.secrets:
+        return spec
+    return msgspec.structs.replace(spec, secrets=dict.fromkeys(spec.secrets, REDACTED))
 
 
 def check_relative_path(field: str, path: str) -> None:
