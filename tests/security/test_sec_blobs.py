@@ -4,8 +4,9 @@ A digest can be guessed: the sha256 of a short secret file (``db_pin=NNNNNN``)
 is found by trying candidates. So every way bob has of asking the server
 about alice's blob (``missing``, GET, PUT, a job naming it as an input or
 in a bundle) must answer as for a blob no one stored, and bob reads its
-bytes only after sending them all himself. Alice reads what she sent and
-what her jobs made; an admin reads everything.
+bytes only after sending them all himself, nor through a worker token's
+result naming them as his job's outputs. Alice reads what she sent and what
+her jobs made; an admin reads everything.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ import gpulayer
 from gpulayer import bundle
 from gpulayer.store.sqlite import SqliteStore
 from server.conftest import ServerProc
-
-from helpers import PY
 
 Answer = tuple[int, bytes, dict[str, str]]
 
@@ -110,7 +109,7 @@ def test_bob_guessing_alices_pin_learns_nothing_from_missing_get_or_put(
     assert _put(server, alice, secret)[0] == 201
     candidates = [_pin(n) for n in range(424237, 424247)]  # ten, one of them hers
     digests = [_digest(c) for c in candidates]
-    stored, absent = _digest(secret), _digest(_pin(1))
+    stored, absent = _digest(secret), _digest(b"stored by no one")
 
     # missing: all ten missing, in one request and one by one.
     assert sorted(_missing(server, bob, digests)) == sorted(digests)
@@ -131,10 +130,13 @@ def test_bob_guessing_alices_pin_learns_nothing_from_missing_get_or_put(
         assert _get(server, bob, stored)[0] == 404
 
     # PUT with each candidate's bytes: one answer for all ten, stored or not.
-    answers = {(s, frozenset(json.loads(b)), json.loads(b)["size"]) for s, b, _ in map(
-        lambda c: _put(server, bob, c), candidates
-    )}
-    assert answers == {(201, frozenset({"digest", "size"}), len(secret))}
+    answers = set()
+    for candidate in candidates:
+        status, body, headers = _put(server, bob, candidate)
+        reply = json.loads(body)
+        answers.add((status, frozenset(reply), reply["size"], frozenset(headers.items())))
+    assert len(answers) == 1
+    assert next(iter(answers))[:3] == (201, frozenset({"digest", "size"}), len(secret))
 
     # Alice's blob is as she left it, and hers to read.
     assert _get(server, alice, stored)[:2] == (200, secret)
@@ -299,4 +301,58 @@ def test_which_blobs_a_user_may_read_is_one_statement_for_many(tmp_path: Path) -
     store.close()
     rows = sqlite3.connect(tmp_path / "db.sqlite").execute("SELECT COUNT(*) FROM blob_readers")
     assert rows.fetchone()[0] == 51
-    assert PY  # helpers import kept for the worker-based tests' interpreter
+
+
+def test_a_workers_result_grants_only_outputs_its_token_uploaded(server: ServerProc) -> None:
+    """Bob holds a worker token too. His worker's result for his own job names
+    alice's blob as a file output, and as a file of a folder output whose
+    manifest it did upload: bob reads neither. What it uploaded, he reads."""
+    alice, bob = _token(server, "user", "alice"), _token(server, "user", "bob")
+    worker = _token(server, "worker")
+    secret = _pin(271828)
+    stolen = _digest(secret)
+    assert _put(server, alice, secret)[0] == 201
+    # To that token, alice's blob is missing: it has not sent it.
+    assert _missing(server, worker, [stolen]) == [stolen]
+    made = b"what bob's job really made"
+    entry = bundle.Entry(path="db.conf", kind="file", size=len(secret), digest=stolen)
+    tree = msgspec.json.encode(bundle.Manifest(entries=(entry,)))
+    for blob in (made, tree):
+        assert _put(server, worker, blob)[0] == 201
+
+    spec = {"command": ["true"], "outputs": ["stolen", "tree", "made"]}
+    status, job, _ = _submit(server, bob, spec)
+    assert status == 201, job
+    job_id = json.loads(job)["id"]
+    info = {"id": "", "name": "bobs", "host": "h", "slot_gpus": [None]}
+    status, reg, _ = _call(
+        server, "POST", "/api/v1/workers", worker, json_body={"worker": info, "running": []}
+    )
+    assert status == 201, reg
+    wid = json.loads(reg)["id"]
+    status, items, _ = _call(server, "POST", f"/api/v1/workers/{wid}/acquire?timeout=30", worker)
+    assert status == 200 and [i["job_id"] for i in json.loads(items)] == [job_id], items
+    outputs = {
+        "stolen": {"kind": "file", "digest": stolen, "size": len(secret)},
+        "tree": {"kind": "dir", "digest": _digest(tree), "size": len(secret)},
+        "made": {"kind": "file", "digest": _digest(made), "size": len(made)},
+    }
+    result = {
+        "job_id": job_id,
+        "attempt": 1,
+        "worker_id": wid,
+        "outcome": "exited",
+        "exit_code": 0,
+        "outputs": outputs,
+    }
+    status, body, _ = _call(server, "POST", "/api/v1/tasks/finished", worker, json_body=result)
+    assert status == 200, body
+    status, body, _ = _call(server, "GET", f"/api/v1/jobs/{job_id}", bob)
+    assert json.loads(body)["state"] == "succeeded"
+
+    assert _get(server, bob, _digest(made))[:2] == (200, made)
+    assert _get(server, bob, _digest(tree))[:2] == (200, tree)
+    got = _get(server, bob, stolen)
+    _as_for(got, stolen, _get(server, bob, "0" * 64), "0" * 64)
+    assert secret not in got[1]
+    assert _missing(server, bob, [stolen]) == [stolen]

@@ -288,7 +288,9 @@ def test_a_task_taken_before_a_restart_counts_when_a_new_worker_process_adopts_i
 def test_a_workers_fetch_does_not_read_its_big_file_inputs(tmp_path: Path) -> None:
     app, plane, artifacts = _app(tmp_path)
     worker = auth.create_token(plane.store, "worker")
-    user = auth.create_token(plane.store, "user", user="carol")
+    # An admin submits: these blobs were stored here, not uploaded by a user
+    # (a user's job names only blobs its user may read: see test_sec_blobs.py).
+    submitter = auth.create_token(plane.store, "admin")
     big = tmp_path / "big.bin"
     with open(big, "wb") as f:
         f.truncate(200 * 2**20)
@@ -307,7 +309,7 @@ def test_a_workers_fetch_does_not_read_its_big_file_inputs(tmp_path: Path) -> No
             "b": {"kind": "dir", "digest": folder_digest, "size": 5},
         }
         spec = {"spec": {"command": ["true"], "inputs": inputs}}
-        await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user)
+        await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=submitter)
         as_it = [(b"x-gpulayer-worker", w["id"].encode())]
         return (
             await asgi_request(app, "GET", f"/api/v1/blobs/{small}", token=worker, headers=as_it)
@@ -388,7 +390,9 @@ def test_a_workers_fetches_of_a_folders_files_read_its_manifest_once(
 ) -> None:
     app, plane, artifacts = _app(tmp_path)
     worker = auth.create_token(plane.store, "worker")
-    user = auth.create_token(plane.store, "user", user="carol")
+    # An admin submits: these blobs were stored here, not uploaded by a user
+    # (a user's job names only blobs its user may read: see test_sec_blobs.py).
+    submitter = auth.create_token(plane.store, "admin")
     folder = tmp_path / "d"
     folder.mkdir()
     for i in range(5):
@@ -406,7 +410,7 @@ def test_a_workers_fetches_of_a_folders_files_read_its_manifest_once(
             "POST",
             "/api/v1/jobs",
             body={"spec": {"command": ["true"], "inputs": inputs}},
-            token=user,
+            token=submitter,
         )
         as_it = [(b"x-gpulayer-worker", w["id"].encode())]
         return [
@@ -427,7 +431,9 @@ def test_the_manifests_kept_for_fetch_checks_are_bounded_by_the_digests_they_hol
     monkeypatch.setattr(defaults, "MANIFEST_DIGESTS_KEPT", 3)
     app, plane, artifacts = _app(tmp_path)
     worker = auth.create_token(plane.store, "worker")
-    user = auth.create_token(plane.store, "user", user="carol")
+    # An admin submits: these blobs were stored here, not uploaded by a user
+    # (a user's job names only blobs its user may read: see test_sec_blobs.py).
+    submitter = auth.create_token(plane.store, "admin")
     trees = {}
     for name in ("a", "b"):
         folder = tmp_path / name
@@ -445,7 +451,7 @@ def test_the_manifests_kept_for_fetch_checks_are_bounded_by_the_digests_they_hol
         _, _, w = await asgi_request(app, "POST", "/api/v1/workers", body=_worker(), token=worker)
         inputs = {n: {"kind": "dir", "digest": trees[n][0]} for n in "ab"}
         spec = {"spec": {"command": ["true"], "inputs": inputs}}
-        await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user)
+        await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=submitter)
         as_it = [(b"x-gpulayer-worker", w["id"].encode())]
         path = "/api/v1/blobs/{}"
         return [

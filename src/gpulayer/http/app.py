@@ -43,6 +43,7 @@ from ..jobs import (
     TaskStarted,
 )
 from ..service import ControlPlane
+from ..service.blobs import worker_reader
 from ..service.state import Delivery
 from ..signals import Unsubscribe
 from . import auth
@@ -94,6 +95,7 @@ _RESULT_ADVICE = (
     "rather than a glob that matches many files"
 )
 
+_DIGEST = re.compile("[0-9a-f]{64}")  # as artifacts checks it, without making a path
 _LONG_DIGITS = re.compile(rb"\d{19}")  # a JSON number this long may not fit in 64 bits
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -293,7 +295,7 @@ class Api:
         # token removes it (see revoke_token).
         self._owners: dict[str, str] = plane.store.worker_bindings()
         if auth_enabled:  # who may read which blob (without auth: the local user, every one)
-            plane.keep_blob_readers(artifacts)
+            plane.keep_blob_readers(artifacts, self._uploader_of)
 
     def guard(
         self, roles: tuple[str, ...] | None, handler: Handler, query: tuple[str, ...] | None = ()
@@ -427,15 +429,30 @@ class Api:
 
     # ---- blobs ----
 
-    # A user token reaches only the blobs its user may read (service/blobs.py).
-    # Another user's blob is answered for as one not on the server: the same
+    # A user token reaches only the blobs its user may read (service/blobs.py),
+    # and a worker token's missing and PUT count only the blobs it uploaded.
+    # Any other blob is answered for as one not on the server: the same
     # status, words and work, whether it is stored or not.
 
-    def _reader(self, request: Request) -> Viewer | None:
-        """The user whose blobs the caller reaches; None: it reaches every blob
-        (an admin, a server without auth), or a worker's (see get_blob)."""
-        viewer = _caller_of(request).viewer
-        return None if viewer is None or sees_all(viewer) else viewer
+    def _reader(self, request: Request) -> str | None:
+        """Whose blobs the caller reaches (in missing and PUT; for a worker's
+        GET see may_fetch): its user's, or a worker token's uploads; None:
+        every blob (an admin, a server without auth)."""
+        caller = _caller_of(request)
+        if caller.role == auth.WORKER:
+            return worker_reader(caller.digest or "")
+        viewer = caller.viewer
+        return None if viewer is None or sees_all(viewer) else viewer.user
+
+    def _uploader_of(self, worker_id: str) -> str | None:
+        """Whose uploads the results of ``worker_id`` may name as outputs for
+        a user to read: its worker token's; None (any blob) for a worker an
+        admin's token registered."""
+        digest = self._owners.get(worker_id)
+        role = self.plane.store.token_role(digest) if digest is not None else None
+        if role is not None and role[0] == auth.ADMIN:
+            return None
+        return worker_reader(digest or "")  # no token: it proved nothing
 
     async def missing_blobs(self, request: Request) -> Response:
         body = await _body(request, BlobList, defaults.BLOB_LIST_MAX_BYTES)
@@ -445,28 +462,29 @@ class Api:
             missing = [d for d in asked if not self.artifacts.has(d)]
         else:
             for digest in asked:
-                self.artifacts.path(digest)  # a 400 for one that is no digest
+                if not _DIGEST.fullmatch(digest):
+                    self.artifacts.path(digest)  # the 400 that names it
             # Only those it may read are looked for on disk: another user's
             # is missing for it (it uploads it, and may read it then).
-            readable = self.plane.readable(reader, asked)
+            readable = self.plane.readable_by(reader, asked)
             missing = [d for d in asked if d not in readable or not self.artifacts.has(d)]
         return _json(BlobList(digests=sorted(missing)))
 
     async def put_blob(self, request: Request) -> Response:
-        """Store a blob: 201 whether or not it was stored already. A user may
-        read it after, but only once every byte was received and verified: a
-        digest alone proves nothing."""
+        """Store a blob: 201 whether or not it was stored already. Its sender
+        may read it after (a worker token: name it as an output), but only
+        once every byte was received and verified: a digest proves nothing."""
         digest = request.path_params["digest"]
         path = self.artifacts.path(digest)
         reader = self._reader(request)
-        if (reader is None or self.plane.readable(reader, [digest])) and path.exists():
+        if (reader is None or self.plane.readable_by(reader, [digest])) and path.exists():
             size = 0
             async for chunk in request.stream():
                 size += len(chunk)  # drained: it is here, and the caller may read it
             return _json({"digest": digest, "size": size}, 201)
         stored, size = await self._receive_blob(request, digest, evenly=reader is not None)
         if reader is not None:
-            self.plane.grant(reader, [stored])
+            self.plane.grant_to(reader, [stored])
         return _json({"digest": stored, "size": size}, 201)
 
     async def _receive_blob(
@@ -508,7 +526,7 @@ class Api:
                 raise auth.AuthError(403, f"worker {worker_id or '?'} was not given blob {digest}")
         else:
             reader = self._reader(request)
-            if reader is not None and not self.plane.readable(reader, [digest]):
+            if reader is not None and not self.plane.readable_by(reader, [digest]):
                 raise ApiError(404, f"no blob {digest} on this server")
         if not path.exists():
             raise ApiError(404, f"no blob {digest} on this server")

@@ -115,9 +115,10 @@ class Transaction(abc.ABC):
     def delete_worker(self, worker_id: str) -> None: ...
 
     @abc.abstractmethod
-    def grant_blobs(self, user: str, digests: Iterable[str]) -> None:
-        """Let ``user`` read the blobs ``digests`` (see :meth:`Store.readable_blobs`);
-        granting one twice changes nothing."""
+    def grant_blobs(self, reader: str, digests: Iterable[str]) -> None:
+        """Let ``reader`` (a user name, or a worker token's: see
+        ``service/blobs.py``) read the blobs ``digests``; granting one twice
+        changes nothing."""
 
     @abc.abstractmethod
     def delete_workers(self, instance: str) -> None: ...
@@ -237,8 +238,8 @@ class Store(abc.ABC):
         at once cannot take the last two."""
 
     @abc.abstractmethod
-    def readable_blobs(self, user: str, digests: Collection[str]) -> set[str]:
-        """Those of ``digests`` that ``user`` was granted (:meth:`Transaction.grant_blobs`),
+    def readable_blobs(self, reader: str, digests: Collection[str]) -> set[str]:
+        """Those of ``digests`` granted to ``reader`` (:meth:`Transaction.grant_blobs`),
         in one query however many: it is on the path of every submit over HTTP."""
 
     @abc.abstractmethod

@@ -174,15 +174,17 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     # 10: who may read each blob, beside admins (and workers, for their
     # tasks): a user who uploaded its bytes, or whose job produced it. A
-    # digest alone is no right to read: it can be guessed. Nothing is taken
-    # over from before: users' jobs start with 9, and a blob stored earlier
-    # becomes readable to a user who uploads it again.
+    # digest alone is no right to read: it can be guessed. ``reader`` is a
+    # user name, or ``~worker:`` and the sha256 of a worker token, for the
+    # blobs that token uploaded (the only outputs its results may name for
+    # a user to read). Nothing is taken over from before: users' jobs start
+    # with 9, and a blob stored earlier becomes a user's once they upload it.
     (
         """
-        CREATE TABLE blob_readers (
-            user_name TEXT NOT NULL,
-            digest    TEXT NOT NULL,
-            PRIMARY KEY (user_name, digest)
+        CREATE TABLE IF NOT EXISTS blob_readers (
+            reader TEXT NOT NULL,
+            digest TEXT NOT NULL,
+            PRIMARY KEY (reader, digest)
         ) WITHOUT ROWID
         """,
     ),

@@ -305,10 +305,10 @@ class _SqliteTransaction(Transaction):
     def delete_workers(self, instance: str) -> None:
         self.db.execute("DELETE FROM workers WHERE instance=?", (instance,))
 
-    def grant_blobs(self, user: str, digests: Iterable[str]) -> None:
+    def grant_blobs(self, reader: str, digests: Iterable[str]) -> None:
         self.db.executemany(
-            "INSERT INTO blob_readers (user_name, digest) VALUES (?, ?) ON CONFLICT DO NOTHING",
-            [(user, digest) for digest in digests],
+            "INSERT INTO blob_readers (reader, digest) VALUES (?, ?) ON CONFLICT DO NOTHING",
+            [(reader, digest) for digest in digests],
         )
 
 
@@ -636,16 +636,16 @@ class SqliteStore(Store):
             for d, role, name, created, expires in rows
         ]
 
-    def readable_blobs(self, user: str, digests: Collection[str]) -> set[str]:
+    def readable_blobs(self, reader: str, digests: Collection[str]) -> set[str]:
         if not digests:
             return set()
         # The digests as one JSON array: one statement for any number (bound
         # parameters are limited), each looked up in the primary key.
         with self._guarded:
             rows = self._db.execute(
-                "SELECT digest FROM blob_readers WHERE user_name = ? "
+                "SELECT digest FROM blob_readers WHERE reader = ? "
                 "AND digest IN (SELECT value FROM json_each(?))",
-                (user, _encode(list(digests))),
+                (reader, _encode(list(digests))),
             ).fetchall()
         return {str(row[0]) for row in rows}
 
