@@ -24,7 +24,7 @@ from . import bundle, defaults
 from .errors import GPUlayerError, SpecError, WaitTimeout, WorkerError
 from .home import resolve_home
 from .jobs import JobInfo, LogLine, WorkerInfo
-from .outputs import UnsafeOutputError, tidy
+from .outputs import UnsafeOutputError, shorten, tidy
 from .spec import ArtifactRef, check_input_name, parse_spec
 from .transport import Transport
 
@@ -548,11 +548,17 @@ class Job:
         current directory for command jobs and jobs from elsewhere).
 
         Nothing is written or removed outside that folder, whatever the
-        server's record says: every output's name, and every entry of a
-        folder output, must be a relative path inside it, reached through
-        no symbolic link. The first that is not raises UnsafeOutputError (or
-        UnsafePathError, for a folder's entry) naming it, before anything is
-        written.
+        server's record says, and nothing at all unless every output can be
+        written there: the whole plan is checked first. Every output's name,
+        and every entry of a folder output, must be a relative path inside
+        it, reached through no symbolic link, no longer than this system
+        allows; no two outputs may be the same once normalised, nor one be
+        inside an output that is a file, or at the log's ``logs.txt``. (One
+        inside a folder output is written with that folder: workers before
+        outputs were checked stored ``ckpt/**`` as the folder and again each
+        path in it.) The first that is not raises UnsafeOutputError (or
+        UnsafePathError, for a folder's entry) naming it, before anything
+        is written.
         """
         info = self.info if self.info.done else self.refresh()
         base = (
@@ -560,29 +566,115 @@ class Job:
             if dest is not None
             else (self._source_dir or Path.cwd()) / defaults.RUNS_DIRNAME / self.id
         )
-        names = {rel: tidy(rel) for rel in info.outputs}  # before anything is written
+        plan = _plan_outputs(info.outputs)  # before anything is written
         transport = self._client.transport
         from .artifacts import ArtifactStore, copy_file
 
         cache = ArtifactStore(self._client.home / "artifacts")
         manifests = {}
-        for rel, ref in info.outputs.items():
+        for name, ref in plan.items():
             transport.download_blob(ref.digest, cache)
             if ref.kind == "dir":  # checked: no entry leaves its folder
-                manifests[rel] = bundle.load(cache, ref.digest)
+                manifests[name] = bundle.load(cache, ref.digest)
+        _check_room(base, plan, manifests)
         base.mkdir(parents=True, exist_ok=True)
-        # Sorted: a folder is laid out before an output inside it replaces its file.
-        for rel, ref in sorted(info.outputs.items(), key=lambda item: names[item[0]]):
-            target = _make_room(base, names[rel])
+        for name, ref in plan.items():  # none is inside another: each has its own room
+            target = _make_room(base, name)
             if ref.kind == "file":
                 blob = transport.download_blob(ref.digest, cache)
                 copy_file(blob, target, 0o644)  # a private copy: the user may edit it
             else:
                 bundle.materialize(
-                    manifests[rel], target, lambda d: transport.download_blob(d, cache)
+                    manifests[name], target, lambda d: transport.download_blob(d, cache)
                 )
-        _write_new(base / "logs.txt", self.logs())
+        _write_new(base / _LOG_NAME, self.logs())
         return base
+
+
+_LOG_NAME = "logs.txt"  # a job's log, in its download folder
+
+
+def _plan_outputs(outputs: Mapping[str, ArtifactRef]) -> dict[str, ArtifactRef]:
+    """The outputs of a record to write, by normalised name, none inside
+    another (one inside a folder output is left to that folder);
+    UnsafeOutputError for a name that is unsafe, or that collides with
+    another: the same once normalised, inside a file output, at the log."""
+    names: dict[str, str] = {}  # normalised -> as the record has it
+    for rel in outputs:
+        name = tidy(rel)
+        if name in names:
+            raise UnsafeOutputError(
+                rel, f"the same output as {names[name]!r} once normalised ({name!r})"
+            )
+        names[name] = rel
+    folders = {name for name, rel in names.items() if outputs[rel].kind == "dir"}
+    plan: dict[str, ArtifactRef] = {}
+    for name in sorted(names, key=lambda n: n.split("/")):
+        if name.split("/")[0] == _LOG_NAME and (name != _LOG_NAME or name in folders):
+            raise UnsafeOutputError(names[name], f"the job's log is written at {_LOG_NAME}")
+        within = None
+        at = name
+        while "/" in at:
+            at = at.rpartition("/")[0]
+            if at in names and at not in folders:
+                raise UnsafeOutputError(names[name], f"inside output {at!r}, which is a file")
+            within = at if at in folders else within
+        if within is None:
+            plan[name] = outputs[names[name]]
+    return plan
+
+
+def _path_limits(top: str) -> tuple[int, int]:
+    """PATH_MAX (its NUL included) and NAME_MAX, in bytes, where ``top`` is
+    (or would be made)."""
+    at = top
+    while not os.path.exists(at) and os.path.dirname(at) != at:
+        at = os.path.dirname(at)
+    try:
+        path_max, name_max = os.pathconf(at, "PC_PATH_MAX"), os.pathconf(at, "PC_NAME_MAX")
+    except (AttributeError, OSError, ValueError):  # no pathconf (Windows), or no answer
+        return 4096, 255
+    return (path_max if path_max > 0 else 1 << 30), (name_max if name_max > 0 else 1 << 30)
+
+
+def _check_room(
+    base: Path, plan: Mapping[str, ArtifactRef], manifests: Mapping[str, bundle.Manifest]
+) -> None:
+    """Refuse, before anything is written, an output that could not be
+    written in ``base``: through a symbolic link or a file already there,
+    or at a path longer than this system allows."""
+    top = os.path.abspath(base)
+    path_max, name_max = _path_limits(top)
+    for name, ref in plan.items():
+        at = Path(top)
+        for part in name.split("/")[:-1]:
+            at = at / part
+            if at.is_symlink():
+                raise UnsafeOutputError(
+                    name, f"{at} is a symbolic link: nothing is written through one"
+                )
+            if not os.path.lexists(at):
+                break  # made on the way: nothing in the way below it
+            if not at.is_dir():
+                raise UnsafeOutputError(name, f"{at} is a file, not a folder")
+        paths = [name]
+        if ref.kind == "dir":
+            paths += [f"{name}/{e.path}" for e in manifests[name].entries]
+        for rel in paths:
+            size = len(os.fsencode(f"{top}/{rel}"))
+            if size >= path_max:
+                raise UnsafeOutputError(
+                    name,
+                    f"{shorten(rel)!r} in {shorten(top)} would be {size} bytes long, over "
+                    f"the {path_max - 1} bytes this system allows a path",
+                )
+            for part in rel.split("/"):
+                if len(part) * 4 > name_max and len(os.fsencode(part)) > name_max:
+                    raise UnsafeOutputError(
+                        name,
+                        f"{shorten(rel)!r} has a name of {len(os.fsencode(part))} bytes, over "
+                        f"the {name_max} this system allows a name",
+                    )
 
 
 def _make_room(base: Path, name: str) -> Path:

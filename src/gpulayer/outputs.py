@@ -42,15 +42,63 @@ class UnsafeOutputError(UnsafePathError, SpecError):
 
 
 class OutputLimitError(GPUlayerError):
-    """A task's outputs are larger than its worker stores for one job."""
+    """A task's outputs pass a limit its worker sets for one job: their size
+    (by default), or their number, depth or path length (see the other
+    constructors). Nothing is stored; the message is the job's reason."""
 
-    def __init__(self, total: int, limit: int) -> None:
+    def __init__(self, total: int, limit: int, reason: str | None = None) -> None:
         self.total = total
         self.limit = limit
         super().__init__(
-            f"its outputs total {_size(total)}, over the limit of {_size(limit)} a job may store "
-            "(set by its worker's --max-output-bytes); nothing was stored"
+            (
+                reason
+                or f"its outputs total {_size(total)}, over the limit of {_size(limit)} a job "
+                "may store (set by its worker's --max-output-bytes)"
+            )
+            + "; nothing was stored"
         )
+
+    @classmethod
+    def too_many(cls, limit: int, *, looked: bool = False) -> OutputLimitError:
+        what = "output globs look in or match" if looked else "outputs hold"
+        return cls(
+            limit + 1,
+            limit,
+            f"its {what} more than {limit} files, folders and links, the most a job may "
+            "store (each file is a blob to store, and to fetch on download)",
+        )
+
+    @classmethod
+    def too_deep(cls, path: str, limit: int) -> OutputLimitError:
+        return cls(
+            path.count("/"),
+            limit,
+            f"its output {shorten(path)!r} is more than {limit} folders deep, the most a job's "
+            "outputs may be",
+        )
+
+    @classmethod
+    def too_long(cls, path: str, size: int, limit: int) -> OutputLimitError:
+        return cls(
+            size,
+            limit,
+            f"its output path {shorten(path)!r} is {size} bytes long, over the {limit} bytes an "
+            "output's path may be (a client could not write it)",
+        )
+
+    @classmethod
+    def name_too_long(cls, path: str, size: int, limit: int) -> OutputLimitError:
+        return cls(
+            size,
+            limit,
+            f"its output {shorten(path)!r} has a name of {size} bytes, over the {limit} bytes a "
+            "file name may be (a client could not write it)",
+        )
+
+
+def shorten(path: str, keep: int = 120) -> str:
+    """A path for a message: a long one cut (it may be thousands of bytes)."""
+    return path if len(path) <= keep else path[:keep] + "..."
 
 
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}

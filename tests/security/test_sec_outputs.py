@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -27,10 +29,11 @@ from gpulayer import bundle
 from gpulayer.artifacts import ArtifactStore
 from gpulayer.errors import UnsafePathError
 from gpulayer.jobs import JobInfo, RunTask, TaskResult, WorkerInfo
-from gpulayer.outputs import UnsafeOutputError, check_result, matches
+from gpulayer.outputs import OutputLimitError, UnsafeOutputError, check_result, matches
 from gpulayer.service import ControlPlane
 from gpulayer.spec import ArtifactRef, parse_spec
 from gpulayer.transport.http import HttpTransport
+from gpulayer.worker.workspace import collect_outputs
 from server.conftest import ServerProc, worker_start_refused
 from server.rawhttp import request
 
@@ -385,3 +388,241 @@ def test_a_bad_max_output_bytes_is_refused(tmp_path: Path, size: str) -> None:
         tmp_path / "home", "http://127.0.0.1:9", env, "--gpus", "none", f"--max-output-bytes={size}"
     )
     assert "--max-output-bytes" in done.stderr and repr(size) in done.stderr
+
+
+# -- what a download writes is what was counted ------------------------------------
+
+
+def _collect(
+    client: gpulayer.Client, ws: Path, declared: list[str], **limits: int
+) -> tuple[dict[str, ArtifactRef], list[str]]:
+    """The worker's collection of ``declared`` in ``ws``, into ``client``'s real store."""
+    return collect_outputs(declared, ws, client.transport, **limits)
+
+
+def _written(top: Path) -> int:
+    """Bytes a download wrote under ``top`` (each path its own file)."""
+    return sum(p.stat().st_size for p in top.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def test_hard_links_count_once_per_path_against_the_limit(
+    embedded: gpulayer.Client, tmp_path: Path
+) -> None:
+    # A 1 MiB file and 199 hard links to it: 1 MiB on the worker's disk, but
+    # 200 files, 200 MiB, in the manifest and so on every client's disk.
+    ws = tmp_path / "ws"
+    (ws / "d").mkdir(parents=True)
+    (ws / "d" / "f0").write_bytes(os.urandom(MiB))
+    for i in range(1, 200):
+        os.link(ws / "d" / "f0", ws / "d" / f"f{i}")
+    (ws / "one").write_bytes(os.urandom(MiB + MiB // 2))
+    os.link(ws / "one", ws / "two")  # two declared outputs, one inode
+    blobs = _blobs(embedded.home / "artifacts")
+    with pytest.raises(OutputLimitError, match=r"total 200\.0 MiB \(209715200 bytes\), over"):
+        _collect(embedded, ws, ["d"], max_bytes=2 * MiB)
+    with pytest.raises(OutputLimitError, match=r"total 3\.0 MiB \(3145728 bytes\), over"):
+        _collect(embedded, ws, ["one", "two"], max_bytes=2 * MiB)
+    assert _blobs(embedded.home / "artifacts") == blobs
+    # Within the limit, what is recorded is what a download writes.
+    for i in range(2, 200):
+        os.unlink(ws / "d" / f"f{i}")
+    stored, missing = _collect(embedded, ws, ["d", "one", "two"], max_bytes=5 * MiB)
+    assert missing == [] and stored["d"].size == 2 * MiB
+    out = gpulayer.Job(embedded, _record(embedded, stored)).download_outputs(tmp_path / "dl")
+    written = _written(out) - (out / "logs.txt").stat().st_size
+    assert written == sum(ref.size for ref in stored.values()) == 5 * MiB
+
+
+def _chain(top: Path, depth: int, part: str = "a") -> None:
+    """``top`` and ``depth`` folders ``part`` nested in it, a file at the bottom
+    (made with descriptors: the whole path may be longer than PATH_MAX)."""
+    top.mkdir(parents=True)
+    at = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir(part, dir_fd=at)
+        child = os.open(part, os.O_RDONLY | os.O_DIRECTORY, dir_fd=at)
+        os.close(at)
+        at = child
+    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=at))
+    os.close(at)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_deep_tree_costs_one_open_per_folder_and_leaks_no_descriptor(
+    embedded: gpulayer.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    depth = 60  # within the limit
+    _chain(tmp_path / "ws" / "d", depth)
+    opens = 0
+    real_open = os.open
+
+    def counting(*args: Any, **kwargs: Any) -> int:
+        nonlocal opens
+        opens += 1
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(os, "open", counting)
+    fds = _open_fds()
+    for declared in (["d"], ["d/**/f"]):
+        opens = 0
+        stored, missing = _collect(embedded, tmp_path / "ws", declared)
+        assert missing == [] and stored, declared
+        # Each folder opened from its parent: a few opens per folder, not one
+        # per folder above it (depth**2 / 2 = 1,800 here).
+        assert opens < 4 * depth, (declared, opens)
+        assert _open_fds() == fds
+    monkeypatch.undo()
+
+
+TOO_DEEP = """
+import os
+def chain(top, depth, part):
+    os.mkdir(top)
+    at = os.open(top, os.O_RDONLY)
+    for _ in range(depth):
+        os.mkdir(part, dir_fd=at)
+        child = os.open(part, os.O_RDONLY, dir_fd=at)
+        os.close(at)
+        at = child
+    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=at))
+chain("deep", {depth}, "a")
+chain("long", {long}, "x" * 200)
+open("ok.txt", "w").write("ok")
+"""
+
+
+@pytest.mark.parametrize(
+    ("declared", "said"),
+    [
+        (["ok.txt", "deep"], "its output 'deep/a/a/a/a/a/a/a/a/a/a/a/a/a/a/a/a/a/a/a/a/a/a/a/a/"),
+        (["ok.txt", "deep"], "is more than 64 folders deep, the most a job's outputs may be"),
+        (["deep/**/f"], "is more than 64 folders deep"),
+        (["ok.txt", "long"], "bytes long, over the 3840 bytes an output's path may be"),
+    ],
+    ids=["deep-names-it", "deep", "deep-glob", "long"],
+)
+def test_outputs_too_deep_or_too_long_to_write_end_the_job_with_the_limit(
+    client: gpulayer.Client, declared: list[str], said: str
+) -> None:
+    blobs = _blobs(client.home / "artifacts")
+    code = TOO_DEEP.format(depth=200, long=20)  # 'long': 20 names of 200 bytes
+    job = client.submit(command=[sys.executable, "-c", code], outputs=declared)
+    assert job.wait(timeout=60) == "failed"
+    reason = job.info.reason or ""
+    assert job.info.outputs == {} and job.info.exit_code == 0, reason
+    assert said in reason and reason.endswith("; nothing was stored"), reason
+    assert _blobs(client.home / "artifacts") == blobs
+
+
+def test_more_entries_than_the_limit_end_the_collection_with_it(
+    embedded: gpulayer.Client, tmp_path: Path
+) -> None:
+    ws = tmp_path / "ws"
+    (ws / "d" / "sub").mkdir(parents=True)
+    for i in range(30):
+        (ws / "d" / f"{i}.txt").write_text(str(i))
+        (ws / "d" / "sub" / f"{i}.txt").write_text(str(i))
+    blobs = _blobs(embedded.home / "artifacts")
+    for declared in (["d"], ["d/**/*.txt"]):
+        with pytest.raises(OutputLimitError, match="more than 50 files, folders and links"):
+            _collect(embedded, ws, declared, max_entries=50)
+    assert _blobs(embedded.home / "artifacts") == blobs
+    stored, _ = _collect(embedded, ws, ["d"], max_entries=62)  # 60 files, 2 folders
+    assert bundle.load(ArtifactStore(embedded.home / "artifacts"), stored["d"].digest)
+
+
+def test_a_glob_over_a_folder_stores_the_folder_once(
+    client: gpulayer.Client, tmp_path: Path
+) -> None:
+    code = "import os; os.makedirs('ckpt/sub'); open('ckpt/a', 'w'); open('ckpt/sub/b', 'w')"
+    job = client.submit(command=[sys.executable, "-c", code], outputs=["ckpt/**", "ckpt/a"])
+    assert job.wait(timeout=60) == "succeeded", job.info.reason
+    assert set(job.info.outputs) == {"ckpt"}  # not ckpt/a, ckpt/sub, ... again
+    out = job.download_outputs(tmp_path / "dl")
+    assert {p.relative_to(out).as_posix() for p in out.rglob("*")} == {
+        "ckpt",
+        "ckpt/a",
+        "ckpt/sub",
+        "ckpt/sub/b",
+        "logs.txt",
+    }
+
+
+# -- a download checks its whole plan before it writes -----------------------------
+
+
+def _file(client: gpulayer.Client, data: bytes = PLANTED) -> ArtifactRef:
+    return ArtifactRef(kind="file", digest=client.transport.upload_bytes(data), size=len(data))
+
+
+def _folder(client: gpulayer.Client, files: dict[str, bytes]) -> ArtifactRef:
+    entries = [
+        bundle.Entry(p, "file", size=len(b), digest=client.transport.upload_bytes(b))
+        for p, b in sorted(files.items())
+    ]
+    manifest = bundle.Manifest(tuple(entries))
+    digest = client.transport.upload_bytes(msgspec.json.encode(manifest))
+    return ArtifactRef(kind="dir", digest=digest, size=manifest.total_size)
+
+
+@pytest.mark.parametrize(
+    ("outputs", "said"),
+    [
+        ({"a": "file", "a/b": "file"}, "'a/b' refused: inside output 'a', which is a file"),
+        ({"a/b": "file", "a": "file"}, "'a/b' refused: inside output 'a', which is a file"),
+        ({"x": "file", "a": "file", "a/b/c": "dir"}, "inside output 'a', which is a file"),
+        ({"x": "file", "./a": "file", "a": "dir"}, "the same output as './a' once normalised"),
+        ({"x": "file", "logs.txt/a": "file"}, "the job's log is written at logs.txt"),
+        ({"x": "file", "logs.txt": "dir"}, "the job's log is written at logs.txt"),
+    ],
+    ids=["file-then-inside", "inside-then-file", "folder-in-file", "duplicate", "log-1", "log-2"],
+)
+def test_download_refuses_outputs_that_collide_before_writing_anything(
+    embedded: gpulayer.Client, tmp_path: Path, outputs: dict[str, str], said: str
+) -> None:
+    dl = tmp_path / "dl"
+    _plant(dl / "a")  # the user's: dl/a/keep, removed to write a file 'a'
+    before = _snapshot(dl)
+    refs = {
+        name: _file(embedded) if kind == "file" else _folder(embedded, {"f": PLANTED})
+        for name, kind in outputs.items()
+    }
+    job = gpulayer.Job(embedded, _record(embedded, refs))
+    with pytest.raises(UnsafeOutputError) as refused:
+        job.download_outputs(dl)
+    assert _snapshot(dl) == before  # nothing written (not even 'x'), nothing removed
+    assert said in str(refused.value)
+
+
+def test_download_refuses_paths_the_client_cannot_write_before_writing(
+    embedded: gpulayer.Client, tmp_path: Path
+) -> None:
+    dl = tmp_path / "dl"
+    fine = _file(embedded)
+    for files, said in (
+        ({"n" * 300: b"x"}, "a name of 300 bytes, over the 255"),
+        ({"/".join(["p" * 200] * 21): b"x"}, "bytes long, over the 4095"),
+    ):
+        refs = {"fine.txt": fine, "d": _folder(embedded, files)}
+        job = gpulayer.Job(embedded, _record(embedded, refs))
+        with pytest.raises(UnsafeOutputError, match=re.escape(said)):
+            job.download_outputs(dl)
+        assert not dl.exists()
+
+
+def test_an_output_inside_a_folder_output_is_written_once_with_it(
+    embedded: gpulayer.Client, tmp_path: Path
+) -> None:
+    # What a worker before outputs were checked stored for 'ckpt/**': the
+    # folder, and again each path in it.
+    refs = {
+        "ckpt": _folder(embedded, {"a": b"A", "sub/b": b"B"}),
+        "ckpt/a": _file(embedded, b"A"),
+        "ckpt/sub/b": _file(embedded, b"B"),
+    }
+    out = gpulayer.Job(embedded, _record(embedded, refs)).download_outputs(tmp_path / "dl")
+    assert (out / "ckpt" / "a").read_bytes() == b"A"
+    assert (out / "ckpt" / "sub" / "b").read_bytes() == b"B"

@@ -16,6 +16,10 @@ job that cannot write them (run as another Unix user; see ``link_blobs``).
 Outputs are collected without following a symbolic link: every path is
 opened from the workspace one component at a time with ``O_NOFOLLOW``, so
 neither a link the job made nor one swapped in meanwhile leads out of it.
+Each folder is opened from its parent's descriptor, kept open while what is
+inside is walked (one per level, bounded by defaults.MAX_OUTPUT_DEPTH): a
+deep tree costs one open per folder. What is measured against the limits is
+what a client writes on download: each path, once.
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ def prepare(
     if spec.inputs:
         inputs = task_dir / "inputs"
         inputs.mkdir()
+        # Whatever the worker's umask: a job run as another user (--run-as) must
+        # reach its inputs, and no one may add to them.
+        inputs.chmod(0o755)
         env["GPULAYER_INPUTS"] = str(inputs)
         for name, ref in spec.inputs.items():
             target = inputs / name
@@ -129,12 +136,10 @@ class _Found:
 
     kind: str  # "file" or "dir"
     size: int = 0  # a file's
-    key: tuple[int, int] = (0, 0)  # a file's (device, inode)
     entries: list[bundle.Entry] = field(default_factory=list)  # a folder's, unhashed
-    keys: dict[str, tuple[int, int]] = field(default_factory=dict)  # its files'
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Child:
     name: str
     st: os.stat_result
@@ -149,149 +154,325 @@ def _opened(fd: int) -> Iterator[int]:
         os.close(fd)
 
 
-def _open_dir(root: int, parts: Sequence[str]) -> int:
-    """A descriptor on the folder ``parts`` under ``root``, never through a link."""
-    fd = os.dup(root)
-    try:
-        for i, part in enumerate(parts):
-            st = os.stat(part, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISLNK(st.st_mode):
-                raise _Skipped(_THROUGH_LINK)
-            if not stat.S_ISDIR(st.st_mode):
-                raise NotADirectoryError(errno.ENOTDIR, "not a folder", "/".join(parts[: i + 1]))
-            # O_NOFOLLOW: a link swapped in since the stat fails (ELOOP).
-            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _split(name: str) -> tuple[list[str], str]:
     *parents, last = name.split("/")
     return parents, last
 
 
-def _lstat(root: int, name: str) -> os.stat_result:
-    parents, last = _split(name)
-    with _opened(_open_dir(root, parents)) as parent:
-        return os.stat(last, dir_fd=parent, follow_symlinks=False)
+def _tree_order(path: str) -> list[str]:
+    """A sort key that puts a folder's whole subtree together, after it (a
+    plain string sort puts ``a/b-c`` between ``a/b`` and ``a/b/x``)."""
+    return path.split("/")
 
 
-def _open_file(root: int, name: str) -> int:
-    """A descriptor on the regular file ``name`` under ``root``, never through a link."""
-    parents, last = _split(name)
-    with _opened(_open_dir(root, parents)) as parent:
-        fd = os.open(last, _FILE_FLAGS, dir_fd=parent)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise _Skipped("not a regular file")
-    return fd
+class _Limits:
+    """What one job's outputs may be beyond their size: how many entries, and
+    paths a client can write (depth, length, name length), checked as found."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self.entries = 0
+
+    def count(self) -> None:
+        """One more file, folder or link (counted before it is kept)."""
+        self.entries += 1
+        if self.entries > self.max_entries:
+            raise outputs.OutputLimitError.too_many(self.max_entries)
+
+    @staticmethod
+    def check(path: str, *, last: str | None = None) -> None:
+        """Refuse ``path`` (from the workspace) if no client could write it.
+        ``last``: only that name in it is new (the folder above was checked)."""
+        if path.count("/") > defaults.MAX_OUTPUT_DEPTH:  # in that many folders
+            raise outputs.OutputLimitError.too_deep(path, defaults.MAX_OUTPUT_DEPTH)
+        size = len(path.encode("utf-8", "surrogateescape"))
+        if size > defaults.MAX_OUTPUT_PATH_BYTES:
+            raise outputs.OutputLimitError.too_long(path, size, defaults.MAX_OUTPUT_PATH_BYTES)
+        if size > defaults.MAX_OUTPUT_NAME_BYTES:  # else no name in it can be
+            for part in path.split("/") if last is None else [last]:
+                n = len(part.encode("utf-8", "surrogateescape"))
+                if n > defaults.MAX_OUTPUT_NAME_BYTES:
+                    raise outputs.OutputLimitError.name_too_long(
+                        path, n, defaults.MAX_OUTPUT_NAME_BYTES
+                    )
 
 
-def _children(root: int, parts: Sequence[str]) -> list[_Child]:
-    """The entries of folder ``parts``, with their lstat (and a link's target)."""
-    with _opened(_open_dir(root, parts)) as fd, os.scandir(fd) as it:
-        found = []
+class _Cursor:
+    """Paths under the workspace, each folder opened from the one before it
+    (``O_NOFOLLOW``), never through a link. The folders on the way to the
+    last path stay open: paths taken in tree order (:func:`_tree_order`) cost
+    one open per folder, not one per folder above each path. At most one
+    descriptor per level is open (see defaults.MAX_OUTPUT_DEPTH)."""
+
+    def __init__(self, root: int) -> None:
+        self._fds = [root]  # the root is the caller's
+        self._parts: list[str] = []
+
+    def folder(self, parts: Sequence[str]) -> int:
+        """A descriptor on the folder ``parts``, the cursor's own (valid until
+        its next call). Raises _Skipped through a link, OSError if none."""
+        keep = 0
+        while keep < min(len(parts), len(self._parts)) and parts[keep] == self._parts[keep]:
+            keep += 1
+        while len(self._parts) > keep:
+            self._parts.pop()
+            os.close(self._fds.pop())
+        for i in range(keep, len(parts)):
+            at, part = self._fds[-1], parts[i]
+            st = os.stat(part, dir_fd=at, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise _Skipped(_THROUGH_LINK)
+            if not stat.S_ISDIR(st.st_mode):
+                raise NotADirectoryError(errno.ENOTDIR, "not a folder", "/".join(parts[: i + 1]))
+            # O_NOFOLLOW: a link swapped in since the stat fails (ELOOP).
+            self._fds.append(os.open(part, _DIR_FLAGS, dir_fd=at))
+            self._parts.append(part)
+        return self._fds[-1]
+
+    def lstat(self, name: str) -> os.stat_result:
+        parents, last = _split(name)
+        return os.stat(last, dir_fd=self.folder(parents), follow_symlinks=False)
+
+    def open_file(self, name: str) -> int:
+        """A descriptor (the caller's) on the regular file ``name``."""
+        parents, last = _split(name)
+        fd = os.open(last, _FILE_FLAGS, dir_fd=self.folder(parents))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _Skipped("not a regular file")
+        return fd
+
+    def close(self) -> None:
+        while len(self._fds) > 1:
+            os.close(self._fds.pop())
+        self._parts.clear()
+
+
+def _names(fd: int, only: frozenset[str] | None) -> Iterator[tuple[str, bool]]:
+    """The folder ``fd``'s children, each with whether it is a folder (a link
+    is not); with ``only``, just those of these names that are there."""
+    if only is not None:
+        for name in sorted(only):
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            yield name, stat.S_ISDIR(st.st_mode)
+        return
+    with os.scandir(fd) as it:
         for e in it:
-            st = e.stat(follow_symlinks=False)
-            target = os.readlink(e.name, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else None
+            yield e.name, e.is_dir(follow_symlinks=False)
+
+
+def _expand(root: int, pattern: str, limits: _Limits) -> list[str]:
+    """What glob ``pattern`` matches under ``root`` (as :mod:`gpulayer.outputs`
+    defines it), never looking inside a linked folder. A link it matches is
+    listed: it is then reported as not collected, and why.
+
+    One walk of the folders the pattern may match inside, each opened from
+    its parent's descriptor and listed once, with the set of the pattern's
+    parts it has reached (several, through ``**``). Refuses (OutputLimitError)
+    a walk that needs to go deeper, or to more paths, than outputs may have.
+    """
+    parts = outputs.glob_parts(pattern)
+    n = len(parts)
+
+    def closed(states: set[int]) -> frozenset[int]:
+        out = set(states)
+        for i in states:  # a ** may match no folder at all
+            while i < n and parts[i] == "**":
+                i += 1
+                out.add(i)
+        return frozenset(out)
+
+    def step(states: frozenset[int], name: str, is_dir: bool) -> tuple[frozenset[int], bool]:
+        """The parts reached after one more component ``name``, and whether
+        the pattern matches the path it ends."""
+        reached: set[int] = set()
+        for i in states:
+            if i == n:
+                continue
+            if parts[i] == "**":
+                if name.startswith("."):
+                    continue  # as glob: ** does not match hidden names
+                if is_dir:
+                    reached.add(i)  # one folder more
+                elif i == n - 1:
+                    reached.add(n)  # a trailing ** matches files too
+            elif outputs.part_matches(parts[i], name):
+                reached.add(i + 1)
+        after = closed(reached)
+        # A file ends the pattern only at its last part; a folder also where
+        # a ** after it matches no folder (ckpt/** matches ckpt).
+        return after, n in (after if is_dir else reached)
+
+    found: list[str] = []
+    looked = 0
+
+    def listed(fd: int, at: str, states: frozenset[int]) -> list[tuple[str, frozenset[int]]]:
+        """Of folder ``fd`` (path ``at``), the children to look inside; its matches go in ``found``."""
+        nonlocal looked
+        heads = {parts[i] for i in states if i < n}
+        literal = None if any(outputs.is_glob(p) for p in heads) else frozenset(heads)
+        inside = []
+        for name, is_dir in _names(fd, literal):
+            after, match = step(states, name, is_dir)
+            deeper = is_dir and any(i < n for i in after)
+            if not (match or deeper):
+                continue
+            looked += 1
+            if looked > limits.max_entries:
+                raise outputs.OutputLimitError.too_many(limits.max_entries, looked=True)
+            path = f"{at}/{name}" if at else name
+            limits.check(path, last=name)  # a match, or a folder one may be in: writable?
+            if match:
+                found.append(path)
+            if deeper:
+                inside.append((name, after))
+        return inside
+
+    stack: list[tuple[int, str, Iterator[tuple[str, frozenset[int]]]]] = []
+    try:
+        top = os.dup(root)
+        try:
+            stack.append((top, "", iter(listed(top, "", closed({0})))))
+        except BaseException as exc:
+            os.close(top)
+            if isinstance(exc, OSError):
+                return []  # the workspace cannot be listed: nothing matches
+            raise
+        while stack:
+            fd, at, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                os.close(fd)
+                continue
+            name, states = child
+            path = f"{at}/{name}" if at else name
+            try:
+                # O_NOFOLLOW: a link swapped in since the listing fails (ELOOP).
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError:
+                continue  # gone, or a link now: nothing to match inside it
+            try:
+                inside = listed(sub, path, states)
+            except BaseException as exc:
+                os.close(sub)
+                if isinstance(exc, OSError):
+                    continue  # unreadable: nothing to match inside it
+                raise
+            stack.append((sub, path, iter(inside)))
+    finally:
+        for fd, _, _ in stack:
+            os.close(fd)
+    return sorted(found)
+
+
+def _listing(fd: int, limits: _Limits) -> list[_Child]:
+    """The entries of folder ``fd``, with their lstat (and a link's target),
+    each counted against the limit as it is read (a folder of millions is
+    refused at the limit, not read whole first)."""
+    found = []
+    with os.scandir(fd) as it:
+        for e in it:
+            limits.count()
+            try:
+                st = e.stat(follow_symlinks=False)
+                target = os.readlink(e.name, dir_fd=fd) if stat.S_ISLNK(st.st_mode) else None
+            except FileNotFoundError:
+                continue  # gone since it was listed
             found.append(_Child(e.name, st, target))
     return found
 
 
-def _expand(root: int, pattern: str) -> list[str]:
-    """What glob ``pattern`` matches under ``root`` (as :mod:`gpulayer.outputs`
-    defines it), never looking inside a linked folder. A link it matches is
-    listed: it is then reported as not collected, and why."""
-    found: set[str] = set()
-    stack: list[tuple[tuple[str, ...], tuple[str, ...]]] = [((), outputs.glob_parts(pattern))]
-    seen: set[tuple[tuple[str, ...], int]] = set()  # a folder is looked at once per part
-    while stack:
-        at, parts = stack.pop()
-        if (at, len(parts)) in seen:
-            continue
-        seen.add((at, len(parts)))
-        if not parts:
-            if at:
-                found.add("/".join(at))
-            continue
-        head, rest = parts[0], parts[1:]
-        if not outputs.is_glob(head):
-            stack.append(((*at, head), rest))  # whether it exists is checked at the end
-            continue
-        try:
-            children = _children(root, at)
-        except (OSError, _Skipped):
-            continue  # gone, a file, or a link: nothing to match inside it
-        if head == "**":
-            stack.append((at, rest))  # no folder at all
-            for c in children:
-                if c.name.startswith("."):
-                    continue  # as glob: ** does not match hidden names
-                if stat.S_ISDIR(c.st.st_mode):
-                    stack.append(((*at, c.name), parts))  # one folder more
-                elif all(p == "**" for p in rest):
-                    found.add("/".join((*at, c.name)))
-            continue
-        stack.extend(((*at, c.name), rest) for c in children if outputs.part_matches(head, c.name))
-    return sorted(name for name in found if _exists(root, name))
+def _walk(top: int, name: str, skipped: list[str], limits: _Limits) -> _Found:
+    """The folder output ``name``, open at ``top`` (not closed here), measured.
 
-
-def _exists(root: int, name: str) -> bool:
-    try:
-        _lstat(root, name)
-    except (OSError, _Skipped):
-        return False
-    return True
-
-
-def _find(root: int, name: str, skipped: list[str]) -> _Found | None:
-    """The output ``name``, measured; None if there is none. Raises _Skipped
-    for one that is not collected (a link, say); what is left out of a
-    folder goes in ``skipped``."""
-    try:
-        st = _lstat(root, name)
-    except OSError:
-        return None
-    if stat.S_ISLNK(st.st_mode):
-        raise _Skipped(_LINKED)
-    if stat.S_ISREG(st.st_mode):
-        return _Found("file", size=st.st_size, key=(st.st_dev, st.st_ino))
-    if not stat.S_ISDIR(st.st_mode):
-        raise _Skipped("not a regular file or folder")
+    Depth first, each folder opened from its parent's descriptor
+    (``O_NOFOLLOW``), and closed once its entries are done: one descriptor
+    open per level, one open per folder. What is left out goes in ``skipped``.
+    """
     found = _Found("dir")
     links: dict[str, str] = {}
-    stack = [""]
-    while stack:
-        prefix = stack.pop()
-        for c in _children(root, f"{name}/{prefix}".rstrip("/").split("/")):
+    try:
+        stack: list[tuple[int, str, Iterator[_Child]]] = [(top, "", iter(_listing(top, limits)))]
+    except OSError as exc:
+        raise _Skipped(f"the folder cannot be read: {exc.strerror}") from None
+    try:
+        while stack:
+            fd, prefix, children = stack[-1]
+            c = next(children, None)
+            if c is None:
+                stack.pop()
+                if fd != top:
+                    os.close(fd)
+                continue
             rel, mode = prefix + c.name, c.st.st_mode
             try:
                 outputs.check_name(rel)  # a backslash, say: a client could not write it
             except outputs.UnsafeOutputError as exc:
                 skipped.append(f"{name}/{rel} ({exc.reason})")
                 continue
+            limits.check(f"{name}/{rel}", last=c.name)
             if stat.S_ISLNK(mode):
                 assert c.target is not None
                 links[rel] = c.target
             elif stat.S_ISDIR(mode):
+                try:
+                    # O_NOFOLLOW: a link swapped in since the listing fails (ELOOP).
+                    sub = os.open(c.name, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    skipped.append(f"{name}/{rel} (cannot be opened: {exc.strerror})")
+                    continue
+                try:
+                    inside = _listing(sub, limits)
+                except BaseException as exc:
+                    os.close(sub)
+                    if not isinstance(exc, OSError):
+                        raise
+                    skipped.append(f"{name}/{rel} (cannot be read: {exc.strerror})")
+                    continue
                 found.entries.append(bundle.Entry(rel, "dir", mode=0o755))
-                stack.append(rel + "/")
+                stack.append((sub, rel + "/", iter(inside)))
             elif stat.S_ISREG(mode):
                 exe = 0o755 if mode & 0o100 else 0o644
                 found.entries.append(bundle.Entry(rel, "file", size=c.st.st_size, mode=exe))
-                found.keys[rel] = (c.st.st_dev, c.st.st_ino)
             else:
                 skipped.append(f"{name}/{rel} (not a regular file, folder or link)")
+    finally:
+        for fd, _, _ in stack:
+            if fd != top:
+                os.close(fd)
     # A link in the folder is kept as a link if it stays inside the folder.
     for rel in sorted(bundle.links_out(links)):
         skipped.append(f"{name}/{rel} (a symbolic link to {links.pop(rel)!r}, outside {name!r})")
     found.entries.extend(bundle.Entry(rel, "symlink", target=t) for rel, t in links.items())
     found.entries.sort(key=lambda e: e.path)
     return found
+
+
+def _find(cursor: _Cursor, name: str, skipped: list[str], limits: _Limits) -> _Found | None:
+    """The output ``name``, measured; None if there is none. Raises _Skipped
+    for one that is not collected (a link, say); what is left out of a
+    folder goes in ``skipped``."""
+    limits.check(name)  # before it is looked for: a folder open per level
+    try:
+        st = cursor.lstat(name)
+    except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise _Skipped(_LINKED)
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise _Skipped("not a regular file or folder")
+    limits.count()
+    if stat.S_ISREG(st.st_mode):
+        return _Found("file", size=st.st_size)
+    try:
+        top = cursor.folder(name.split("/"))
+    except OSError:
+        return None  # gone since the lstat
+    return _walk(top, name, skipped, limits)
 
 
 def _fd_path(fd: int) -> Path:
@@ -310,23 +491,32 @@ def _hash(fd: int) -> tuple[str, int]:
 
 
 class _Budget:
-    """Bytes against the limit; each file (device, inode) counted once."""
+    """Bytes against the limit, each path at its apparent size: what a client
+    writes on download (a hard link is a file of its own there, a sparse file
+    is written in full)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.total = 0
-        self._seen: set[tuple[int, int]] = set()
 
-    def add(self, key: tuple[int, int], size: int, *, check: bool = True) -> None:
-        if key not in self._seen:
-            self._seen.add(key)
-            self.total += size
-            if check:
-                self.check()
+    def add(self, size: int, *, check: bool = True) -> None:
+        self.total += size
+        if check:
+            self.check()
 
     def check(self) -> None:
         if self.total > self.limit:
             raise outputs.OutputLimitError(self.total, self.limit)
+
+
+def _within(name: str, folders: dict[str, _Found]) -> str | None:
+    """The folder of ``folders`` that ``name`` is inside, if any."""
+    at = name
+    while "/" in at:
+        at = at.rpartition("/")[0]
+        if at in folders:
+            return at
+    return None
 
 
 def collect_outputs(
@@ -335,18 +525,24 @@ def collect_outputs(
     transport: Transport,
     *,
     max_bytes: int = defaults.MAX_OUTPUT_BYTES,
+    max_entries: int = defaults.MAX_OUTPUT_ENTRIES,
 ) -> tuple[dict[str, ArtifactRef], list[str]]:
     """Store each declared output (a file, a folder, or a glob of them).
 
     Returns what was stored, by name (normalised: ``./out/`` is ``out``), and
     what was not, each with why unless it is simply missing. A symbolic
     link is never followed: one declared or matched is not stored, one in a
-    stored folder is kept as a link if it stays inside that folder. Before a
-    byte is stored, the sizes are added up (each file once, at its apparent
-    size, so a sparse file counts in full): over ``max_bytes``,
-    OutputLimitError, and nothing is stored.
+    stored folder is kept as a link if it stays inside that folder. A path
+    inside a stored folder is stored with it, not again on its own (so
+    ``ckpt/**`` stores one folder, ``ckpt``): no stored name is inside another.
+
+    Before a byte is stored, the outputs are measured: every path as a client
+    writes it on download (a file at its apparent size, once per path: a
+    sparse file counts in full, each hard link as a file of its own). Over
+    ``max_bytes`` in all, or ``max_entries`` files, folders and links, or a
+    path deeper or longer than a client can write (defaults.MAX_OUTPUT_*),
+    OutputLimitError names the limit, and nothing is stored.
     """
-    found: dict[str, _Found] = {}
     missing: list[str] = []
     if not patterns:
         return {}, []
@@ -354,23 +550,37 @@ def collect_outputs(
         root = os.open(cwd, _DIR_FLAGS)
     except OSError as exc:  # the job replaced its workspace (with a link, say)
         return {}, [f"{p} (the workspace cannot be opened: {exc.strerror})" for p in patterns]
+    limits = _Limits(max_entries)
+    cursor = _Cursor(root)
     with _opened(root):
-        for pattern in patterns:
-            name = outputs.normalise(pattern)
-            try:
-                outputs.check_name(name)
-            except outputs.UnsafeOutputError as exc:
-                missing.append(f"{pattern} ({exc.reason})")
-                continue
-            names = _expand(root, name) if outputs.is_glob(name) else [name]
-            if not names:
-                missing.append(pattern)
-            for match in names:
-                if match in found:
+        try:
+            declared: dict[str, str] = {}  # each path to collect -> the pattern naming it
+            for pattern in patterns:
+                name = outputs.normalise(pattern)
+                try:
+                    outputs.check_name(name)
+                except outputs.UnsafeOutputError as exc:
+                    missing.append(f"{pattern} ({exc.reason})")
+                    continue
+                names = _expand(root, name, limits) if outputs.is_glob(name) else [name]
+                if not names:
+                    missing.append(pattern)
+                for match in names:
+                    declared.setdefault(match, pattern)
+            found: dict[str, _Found] = {}
+            folders: dict[str, _Found] = {}
+            held: dict[str, set[str]] = {}  # a folder's paths, when asked
+            for match in sorted(declared, key=_tree_order):  # a folder before what is in it
+                folder = _within(match, folders)
+                if folder is not None:  # stored with it, if it is there
+                    if folder not in held:
+                        held[folder] = {e.path for e in folders[folder].entries}
+                    if match[len(folder) + 1 :] not in held[folder]:
+                        missing.append(declared[match])
                     continue
                 try:
                     outputs.check_name(match)  # a name a glob matched: a backslash, say
-                    item = _find(root, match, missing)
+                    item = _find(cursor, match, missing, limits)
                 except outputs.UnsafeOutputError as exc:
                     missing.append(f"{match} ({exc.reason})")
                     continue
@@ -378,46 +588,54 @@ def collect_outputs(
                     missing.append(f"{match} ({exc})")
                     continue
                 if item is None:
-                    missing.append(pattern)
-                else:
-                    found[match] = item
-        measured = _Budget(max_bytes)  # all of it, before a byte is stored
-        for item in found.values():
-            if item.kind == "file":
-                measured.add(item.key, item.size, check=False)
-            for e in item.entries:
-                if e.kind == "file":
-                    measured.add(item.keys[e.path], e.size, check=False)
-        measured.check()
-        read = _Budget(max_bytes)  # and again as they are read: one may have grown
-        stored = {name: _store(root, name, item, transport, read) for name, item in found.items()}
+                    missing.append(declared[match])
+                    continue
+                found[match] = item
+                if item.kind == "dir":
+                    folders[match] = item
+            measured = _Budget(max_bytes)  # all of it, before a byte is stored
+            for item in found.values():
+                measured.add(item.size, check=False)
+                for e in item.entries:
+                    measured.add(e.size, check=False)
+            measured.check()
+            read = _Budget(max_bytes)  # and again as they are read: one may have grown
+            stored = {
+                name: _store(cursor, name, item, transport, read) for name, item in found.items()
+            }
+        finally:
+            cursor.close()
     return stored, missing
 
 
 def _store(
-    root: int, name: str, item: _Found, transport: Transport, budget: _Budget
+    cursor: _Cursor, name: str, item: _Found, transport: Transport, budget: _Budget
 ) -> ArtifactRef:
     if item.kind == "file":
-        with _opened(_open_file(root, name)) as fd:
+        with _opened(cursor.open_file(name)) as fd:
             digest, size = _hash(fd)
-            budget.add(item.key, size)
+            budget.add(size)
             if transport.missing_blobs([digest]):
                 os.lseek(fd, 0, os.SEEK_SET)
                 transport.upload_blob(_fd_path(fd), digest)
         return ArtifactRef(kind="file", digest=digest, size=size)
-    entries = []
-    for e in item.entries:
-        if e.kind == "file":
-            with _opened(_open_file(root, f"{name}/{e.path}")) as fd:
-                digest, size = _hash(fd)
-            budget.add(item.keys[e.path], size)
-            e = bundle.Entry(e.path, "file", size=size, mode=e.mode, digest=digest)
-        entries.append(e)
-    manifest = bundle.Manifest(tuple(entries))
+    files = sorted((e for e in item.entries if e.kind == "file"), key=lambda e: _tree_order(e.path))
+    hashed: dict[str, bundle.Entry] = {}
+    digests: dict[str, str] = {}
+    for e in files:
+        with _opened(cursor.open_file(f"{name}/{e.path}")) as fd:
+            digest, size = _hash(fd)
+        budget.add(size)
+        hashed[e.path] = bundle.Entry(e.path, "file", size=size, mode=e.mode, digest=digest)
+        digests[e.path] = digest
+    manifest = bundle.Manifest(tuple(hashed.get(e.path, e) for e in item.entries))
     bundle.validate(manifest)
-    paths = {e.digest: e.path for e in entries if e.kind == "file" and e.digest}
-    for digest in sorted(transport.missing_blobs(paths)):
-        with _opened(_open_file(root, f"{name}/{paths[digest]}")) as fd:
-            transport.upload_blob(_fd_path(fd), digest)
+    missing = transport.missing_blobs(set(digests.values()))
+    for e in files:  # in tree order again: one open per folder
+        digest = digests[e.path]
+        if digest in missing:
+            missing.discard(digest)
+            with _opened(cursor.open_file(f"{name}/{e.path}")) as fd:
+                transport.upload_blob(_fd_path(fd), digest)
     digest = transport.upload_bytes(msgspec.json.encode(manifest))
     return ArtifactRef(kind="dir", digest=digest, size=manifest.total_size)
