@@ -5,6 +5,8 @@ Layout under the store's root::
     sha256/<first 2 hex digits>/<64 hex digits>   the blobs, read-only (0444)
     tmp/                                          blobs being written
 
+The root and every folder in it are the owner's alone (0700): see DIR_MODE.
+
 A blob is written to ``tmp/``, flushed with ``fsync`` and renamed into place,
 so a reader never sees a half-written blob under its final name, and two
 writers of the same content both succeed (the second finds it already there).
@@ -34,6 +36,14 @@ from gpulayer.errors import ArtifactError
 # copy at once. It does not stop their owner, so a job of the same Unix user
 # gets a private copy or clone, never a link (see ArtifactStore.materialize).
 BLOB_MODE = 0o444
+# The store's folders: its owner's alone. A blob is readable by all (above),
+# so the folders are what keeps one job's inputs, bundles and outputs from
+# another Unix user, and from the later jobs of a worker's --run-as user,
+# which would otherwise list the cache and read every earlier job's blobs. A
+# job reaches a blob only through the hard link or copy in its own
+# workspace: a link is read by its inode's mode, not through the folders of
+# the path it was made from.
+DIR_MODE = 0o700
 
 # Read/write granularity when streaming a file into the store or hashing it.
 _CHUNK = 1024 * 1024
@@ -208,6 +218,33 @@ class ArtifactStore:
     def has(self, digest: str) -> bool:
         return os.path.exists(self.path(digest))
 
+    def close_to_others(self) -> None:
+        """Make the root (if missing) and set it to DIR_MODE: a store made
+        before its folders were private has 0755 ones, out of reach once
+        the root is closed."""
+        self._make_dir(self.root)
+        os.chmod(self.root, DIR_MODE)
+
+    def _make_dir(self, path: Path) -> None:
+        """Make folder ``path`` of the store, and those missing above it up
+        to the root, each new one DIR_MODE whatever the umask (which masks
+        mkdir's mode; chmod sets it). The folders above the root are not the
+        store's: made as mkdir makes them, if missing."""
+        try:
+            os.mkdir(path, DIR_MODE)
+        except FileExistsError:
+            return
+        except FileNotFoundError:
+            if path == self.root:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            else:
+                self._make_dir(path.parent)
+            try:
+                os.mkdir(path, DIR_MODE)
+            except FileExistsError:
+                return  # made meanwhile, by another writer
+        os.chmod(path, DIR_MODE)
+
     # -- writing ------------------------------------------------------------
 
     def _temp(self) -> tuple[int, str]:
@@ -220,7 +257,7 @@ class ArtifactStore:
             except FileNotFoundError:
                 if attempt:
                     raise
-                self._tmp.mkdir(parents=True, exist_ok=True)
+                self._make_dir(self._tmp)
         raise AssertionError("unreachable")
 
     def _commit(self, fd: int, tmp: str, digest: str) -> None:
@@ -240,7 +277,7 @@ class ArtifactStore:
             os.fsync(fd)
             os.close(fd)
             fd = -1
-            final.parent.mkdir(parents=True, exist_ok=True)
+            self._make_dir(final.parent)
             os.replace(tmp, final)
         except BaseException:
             if fd >= 0:
@@ -364,7 +401,7 @@ class ArtifactStore:
         final = self.path(digest)
         if os.path.exists(final):
             return
-        final.parent.mkdir(parents=True, exist_ok=True)
+        self._make_dir(final.parent)
         try:
             if hard_link(src, final):
                 return

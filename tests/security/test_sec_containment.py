@@ -14,6 +14,7 @@ a real worker process and waits for its warden to end what the job left.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sec_python import nobody_pythonpath
 
 import gpulayer
 from gpulayer import defaults
@@ -313,8 +315,6 @@ def test_cgroups_asked_for_where_none_can_be_made_are_refused(tmp_path: Path) ->
     runs a job unkept."""
     import shutil
 
-    import msgspec
-
     if shutil.which("setpriv") is None or not os.access("/usr/bin/python3.11", os.X_OK):
         pytest.skip("needs setpriv and /usr/bin/python3.11 to start a worker as nobody")
     home = tmp_path / "nobody-home"
@@ -325,14 +325,197 @@ def test_cgroups_asked_for_where_none_can_be_made_are_refused(tmp_path: Path) ->
         "from gpulayer.worker.containment import acquire_containment\n"
         "acquire_containment('cgroup')\n"
     )
-    paths = [str(Path(gpulayer.__file__).parents[1]), str(Path(msgspec.__file__).parents[1])]
     as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
     done = subprocess.run(
         [*as_nobody, "/usr/bin/python3.11", "-c", code],
-        env={"PYTHONPATH": os.pathsep.join(paths), "HOME": str(home)},
+        env={"PYTHONPATH": nobody_pythonpath(), "HOME": str(home)},
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode != 0
     assert "containment by cgroup v2 is not possible" in done.stderr, done.stderr
+
+
+# Each pass makes one orphan that writes "<pid> <start time>" and exits:
+# half plainly (``(cmd &)``: the subshell exits before its child), half in a
+# session of its own, which no task's session or group names. Then the job
+# waits for the test's go (a file) and exits 7.
+ORPHAN = 'read -r stat < /proc/$$/stat; set -- $stat; echo "$1 ${22}" >> "$0"'
+ORPHANS = r"""
+pids=$1 go=$2 n=$3 orphan=$4
+i=0
+while [ $i -lt $n ]; do
+    (sh -c "$orphan" "$pids" &)
+    (setsid sh -c "$orphan" "$pids" &)
+    i=$((i + 2))
+done
+echo made
+while [ ! -e "$go" ]; do sleep 0.05; done
+exit 7
+"""
+
+
+def _still_there(pid: int, start: str) -> bool:
+    """Whether process ``pid`` that started at ``start`` is not reaped yet
+    (running, or a zombie); a pid reused since has another start time."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return fields[19] == start
+
+
+def _zombie_of(pid: int, worker: int) -> str:
+    """How process ``pid`` looks, for a message."""
+    with contextlib.suppress(OSError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        held = "the worker's" if int(fields[1]) == worker else f"process {fields[1]}'s"
+        return f"{pid}: state {fields[0]}, {held}"
+    return f"{pid}: gone"
+
+
+def test_a_running_jobs_orphans_are_reaped_while_it_runs(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Subreaper mode: a job's orphans come back to the worker as they exit,
+    and each dead one held a pid until the job ended (500 ``(true &)`` made
+    500 zombies; at scale, the machine's pid table runs out for every
+    user). They are reaped while the job still runs, and neither the task's
+    own exit status nor that of the host program's children is taken."""
+    monkeypatch.setenv(defaults.CONTAINMENT_ENV, "subreaper")
+    worker_pid = os.getpid()  # an embedded worker: this process
+    # The host program's own children, dead before and while the job runs,
+    # that it has not waited for yet: one in its session, one in its own.
+    host_children = [
+        subprocess.Popen(["sh", "-c", "exit 5"]),
+        subprocess.Popen(["sh", "-c", "exit 6"], start_new_session=True),
+    ]
+    try:
+        for child in host_children:
+            deadline = time.monotonic() + 30
+            while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                assert time.monotonic() < deadline, "a host child never exited"
+                time.sleep(0.01)  # polled with a deadline: another process exits
+        pids, go, count = tmp_path / "orphans", tmp_path / "go", 200
+        with gpulayer.Client(home=home) as client:
+            client.ensure_local_workers(1, kill_grace=0.5)
+            assert client.workers()[0].containment == SUBREAPER
+            job = client.submit(
+                command=["sh", "-c", ORPHANS, "sh", str(pids), str(go), str(count), ORPHAN]
+            )
+            try:
+                deadline = time.monotonic() + 60
+                while "made" not in job.logs() or len(pids.read_text().splitlines()) < count:
+                    assert time.monotonic() < deadline, f"the job made no orphans: {job.info}"
+                    time.sleep(0.02)  # polled with a deadline: the job and its orphans write
+                orphans = [line.split() for line in pids.read_text().splitlines()]
+                assert len(orphans) == count
+                # Each has exited (or soon will): none may stay unreaped, the
+                # worker's zombie, holding its pid.
+                deadline = time.monotonic() + 10
+                while held := [p for p, start in orphans if _still_there(int(p), start)]:
+                    assert time.monotonic() < deadline, (
+                        f"{len(held)} of the running job's {count} orphans are not reaped while "
+                        f"it runs: {[_zombie_of(int(p), worker_pid) for p in held[:3]]}"
+                    )
+                    time.sleep(0.02)  # polled with a deadline: the worker reaps them
+                assert job.info.state == "running", "the job ended before its orphans were checked"
+            finally:
+                go.touch()
+            assert job.wait(timeout=60) == "failed"
+            assert job.info.exit_code == 7, job.info  # its own exit status, not taken by the reaper
+    finally:  # waited for here, whatever happened above
+        statuses = [child.wait(timeout=10) for child in host_children]
+    assert statuses == [5, 6], "the worker took the exit status of a child of its host program"
+
+
+@pytest.mark.parametrize("act", ["move", "kill", "warden"])
+def test_a_pid_reused_after_the_sweep_listed_it_is_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, act: str
+) -> None:
+    """cgroups: the worker (root) lists what a task's process started in
+    ``worker/`` before its move, then moves each into the task's cgroup,
+    kills it (a fork storm), or, in the warden, ends it. Each by pid: were
+    one to exit and its pid go to an unrelated process in between, that
+    process would be moved into the task's cgroup (and killed with it) or
+    killed. Pid reuse cannot be raced in a test: the listing is made stale
+    here instead, naming a process of another session that was never in
+    ``worker/`` and born after the task's start, as a reused pid's would
+    be. It is neither moved nor signalled."""
+    if not _cgroups_possible():
+        pytest.skip("no writable cgroup v2 hierarchy here")
+    from gpulayer.worker import cgroups
+    from gpulayer.worker.process import spawn
+
+    bystander = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    try:
+        where = Path(f"/proc/{bystander.pid}/cgroup").read_text()
+        containment = acquire_containment("cgroup")
+        try:
+            assert isinstance(containment, cgroups.CgroupContainment)
+            listed = cgroups._pids_here
+            stale = [bystander.pid]
+
+            def listing(cgroup: Path) -> list[int]:
+                found = listed(cgroup)
+                if cgroup == containment.spawner and stale:
+                    found.append(stale.pop())  # listed once, as if it were there
+                return found
+
+            monkeypatch.setattr(cgroups, "_pids_here", listing)
+            if act == "kill":
+                monkeypatch.setattr(cgroups, "_SWEEP_MOVE_ROUNDS", 0)
+            box = containment.box()
+            assert isinstance(box, cgroups.CgroupBox)
+            task = spawn(["sleep", "120"], cwd=tmp_path, env={})
+            try:
+                if act == "warden":
+                    containment.end_left(0.0)  # as a dead worker's warden would
+                else:
+                    # Born after the task's start, as a reused pid is: since=0.
+                    containment.place(box, task.pid, 0)
+            finally:
+                task.kill()
+                task.wait()
+                for pipe in (task.stdout, task.stderr):
+                    assert pipe is not None
+                    pipe.close()
+                box.close()
+        finally:
+            release_containment(containment)
+        assert bystander.poll() is None, f"the sweep ({act}) killed a process not the task's"
+        assert Path(f"/proc/{bystander.pid}/cgroup").read_text() == where, (
+            f"the sweep ({act}) moved a process not the task's into the task's cgroup"
+        )
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_where_the_kernel_has_no_cgroup_kill_each_process_is_killed_in_turn(
+    tmp_path: Path,
+) -> None:
+    """Before Linux 5.14 (no ``cgroup.kill``) a task's cgroup is ended one
+    process at a time, each by a pidfd taken once it is known to be there:
+    one that ignores SIGTERM still goes."""
+    if not _cgroups_possible():
+        pytest.skip("no writable cgroup v2 hierarchy here")
+    from gpulayer.worker import cgroups
+
+    containment = acquire_containment("cgroup")
+    try:
+        assert isinstance(containment, cgroups.CgroupContainment)
+        containment.has_kill = False
+        box = containment.box()
+        stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(120)"
+        proc = box.spawn([sys.executable, "-c", stubborn], cwd=tmp_path, env={})
+        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdout.readline() == b"up\n"
+        box.end(0.0)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        proc.stdout.close()
+        proc.stderr.close()
+        box.close()
+    finally:
+        release_containment(containment)

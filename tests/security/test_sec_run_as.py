@@ -23,10 +23,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
+from sec_python import nobody_pythonpath
 
-import gpulayer
 from gpulayer import defaults
 
 NOBODY = 65534
@@ -70,10 +69,9 @@ print(json.dumps(report))
 
 
 def _src_path() -> str:
-    """Where the system interpreter finds gpulayer and its packages."""
-    return os.pathsep.join(
-        [str(Path(gpulayer.__file__).parents[1]), str(Path(msgspec.__file__).parents[1])]
-    )
+    """Where the system interpreter, as root or as nobody, finds gpulayer and
+    its packages (a copy of them where the checkout is out of nobody's reach)."""
+    return nobody_pythonpath()
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +85,9 @@ def place() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _worker(server: object, home: Path, *options: str) -> subprocess.Popen[str]:
+def _worker(server: object, home: Path, *options: str, umask: int = -1) -> subprocess.Popen[str]:
+    """A worker process as root, as the system's Python runs it; ``umask``:
+    the one it starts with (-1: this process's)."""
     from server.conftest import ServerProc, said
 
     assert isinstance(server, ServerProc)
@@ -100,7 +100,12 @@ def _worker(server: object, home: Path, *options: str) -> subprocess.Popen[str]:
         "GPULAYER_GPU_LOCKS": str(home / "gpu-locks"),
     }
     proc = subprocess.Popen(
-        [*argv, *options], env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        [*argv, *options],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        umask=umask,
     )
     server.workers.append(proc)  # stopped with the server
     said(proc, "serving")
@@ -133,7 +138,7 @@ def test_jobs_run_as_nobody_and_reach_nothing_of_the_workers(server: object, pla
     data = place / "data.bin"
     data.write_bytes(os.urandom(2 * defaults.LINK_MIN_BYTES))  # linked from the cache
     digest = hashlib.sha256(data.read_bytes()).hexdigest()
-    before = sorted(p.name for p in home.iterdir())
+    before = sorted(p.name for p in home.iterdir() if p != cache)
     with server.client() as client:
         job = client.submit(
             command=[
@@ -157,12 +162,150 @@ def test_jobs_run_as_nobody_and_reach_nothing_of_the_workers(server: object, pla
         assert got.startswith("refused"), f"a job run as nobody could {name}: {got}"
     # Nothing of the worker's changed: no file planted, the blob intact.
     assert not (cache / "planted").exists() and not (home / "planted").exists()
-    assert sorted(p.name for p in home.iterdir() if p != cache) == before  # the cache: made by now
+    assert sorted(p.name for p in home.iterdir() if p != cache) == before
     blobs = [p for p in cache.rglob("*") if p.is_file() and p.stat().st_size == data.stat().st_size]
     assert blobs, "the input is not in the worker's cache"
     for blob in blobs:
         assert hashlib.sha256(blob.read_bytes()).hexdigest() == digest
         assert blob.stat().st_uid == 0
+
+
+# Job A's own part: it reads its 0600 input and its bundle's file (both
+# reach it through its workspace, the cache being closed to it) and says
+# where its task's folder is.
+OWN = r"""
+import json, os
+inputs = os.environ["GPULAYER_INPUTS"]
+print(json.dumps({"input": open(os.path.join(inputs, "data")).read(),
+                  "bundle": open("notes.txt").read(),
+                  "task_dir": os.path.dirname(os.getcwd())}))
+"""
+
+# Job B, later, run as the same user: looks for anything of A's in the
+# worker's home, by listing, by the paths it knows or can guess, and by
+# walking all it can reach.
+SNOOP = r"""
+import json, os, sys
+home, cache, ledger, a_task_dir, marker, job_a = sys.argv[1:7]
+digests, ledger_files = sys.argv[7].split(","), sys.argv[8].split(",")
+report = {"own input": open(os.path.join(os.environ["GPULAYER_INPUTS"], "mine")).read()}
+tried = {}
+
+def attempt(name, act):
+    try:
+        tried[name] = f"DONE: {act()!r}"[:300]
+    except OSError as exc:
+        tried[name] = f"refused: {exc.strerror}"
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read(64)
+
+attempt("list the cache", lambda: os.listdir(cache))
+attempt("list the cache's blobs", lambda: os.listdir(os.path.join(cache, "sha256")))
+for d in digests:
+    attempt(f"read the blob {d[:12]}", lambda d=d: read(os.path.join(cache, "sha256", d[:2], d)))
+attempt("list the workers' folder", lambda: os.listdir(os.path.dirname(ledger)))
+attempt("list the ledger", lambda: os.listdir(ledger))
+for path in ledger_files:
+    attempt(f"read the ledger's {os.path.basename(path)}", lambda path=path: read(path))
+attempt("list the task folders", lambda: os.listdir(os.path.dirname(a_task_dir)))
+attempt("list A's task folder", lambda: os.listdir(a_task_dir))
+attempt("read A's input", lambda: read(os.path.join(a_task_dir, "inputs", "data")))
+attempt("list A's workspace", lambda: os.listdir(os.path.join(a_task_dir, "workspace")))
+attempt("read A's bundle file", lambda: read(os.path.join(a_task_dir, "workspace", "notes.txt")))
+mine = os.path.dirname(os.getcwd())  # a neighbour's name, guessed from its own
+for n in range(1, 9):
+    guess = os.path.join(os.path.dirname(mine), f"task-{n}")
+    if guess != mine:
+        attempt(f"read {os.path.basename(guess)}'s input", lambda g=guess: read(g + "/inputs/data"))
+found = []
+places = [home, cache, os.path.dirname(ledger), ledger, os.path.dirname(mine)]
+for top, dirs, files in (step for place in places for step in os.walk(place)):
+    for name in dirs + files:
+        path = os.path.join(top, name)
+        if path.startswith(mine):
+            continue  # its own task's
+        if job_a in name or any(d in name for d in digests):
+            found.append(path)
+        if name in files:
+            try:
+                with open(path, "rb") as f:
+                    if marker.encode() in f.read(1 << 20):
+                        found.append(path)
+            except OSError:
+                pass
+report["tried"] = tried
+report["found of A's"] = found
+print(json.dumps(report))
+"""
+
+
+def test_a_later_job_finds_nothing_of_an_earlier_jobs_in_the_workers_home(
+    server: object, place: Path
+) -> None:
+    """Under ``--run-as`` every job runs as the same user: job B, later,
+    could list the worker's cache and read every earlier job's inputs and
+    bundles from it (folders 0755, blobs 0444), and read the ledger. The
+    worker's folders now let a job down to its own task's folder only, and
+    whatever the umask the worker starts with (here the loosest, 000)."""
+    from server.conftest import ServerProc
+
+    assert isinstance(server, ServerProc)
+    home = place / "worker-home-reach"
+    home.mkdir()
+    home.chmod(0o711)
+    _worker(server, home, "--run-as", "nobody", umask=0o000)
+    marker = f"ALICE-SECRET-{os.urandom(8).hex()}"
+    data = place / "alice-private.bin"
+    data.write_text(marker + " input")
+    data.chmod(0o600)
+    project = place / "alice-project"
+    project.mkdir()
+    (project / "notes.txt").write_text(marker + " bundle")
+    (project / "notes.txt").chmod(0o600)
+    mine = place / "bob-input.txt"
+    mine.write_text("bob's own")
+    digests = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (data, project / "notes.txt")]
+    cache, workers = home / "worker-cache", home / "workers"
+    with server.client() as client:
+        a = client.submit(
+            command=[SYSTEM_PYTHON, "-c", OWN], source=project, inputs={"data": str(data)}
+        )
+        assert a.wait(timeout=120) == "succeeded", a.info.reason
+        own = json.loads(a.logs().strip().splitlines()[-1])
+        assert own["input"] == marker + " input" and own["bundle"] == marker + " bundle"
+        ledger_files = [str(p) for p in (workers / "live").rglob("*") if p.is_file()]
+        assert ledger_files, "the worker keeps no ledger"
+        b = client.submit(
+            command=[
+                SYSTEM_PYTHON,
+                "-c",
+                SNOOP,
+                str(home),
+                str(cache),
+                str(workers / "live"),
+                own["task_dir"],
+                marker,
+                a.id,
+                ",".join(digests),
+                ",".join(ledger_files),
+            ],
+            inputs={"mine": str(mine)},
+        )
+        assert b.wait(timeout=120) == "succeeded", b.info.reason
+        report = json.loads(b.logs().strip().splitlines()[-1])
+    assert report["own input"] == "bob's own"  # its own input still reaches it
+    assert len(report["tried"]) >= 12, report["tried"]
+    for name, got in report["tried"].items():
+        assert got.startswith("refused"), f"a later job could {name}: {got}"
+    assert report["found of A's"] == [], "a later job found the earlier job's files"
+    # As the worker left them: private, whatever the umask.
+    for folder in [cache, *(p for p in cache.rglob("*") if p.is_dir())]:
+        assert folder.stat().st_mode & 0o777 == 0o700, f"{folder} is not private"
+    for folder in [workers / "live", *(p for p in (workers / "live").rglob("*") if p.is_dir())]:
+        assert folder.stat().st_mode & 0o777 == 0o700, f"{folder} is not private"
+    assert workers.stat().st_mode & 0o777 == 0o711
 
 
 def test_a_script_job_run_as_nobody_writes_its_workspace_and_outputs(
@@ -236,3 +379,40 @@ def test_a_process_spawned_as_the_user_runs_as_it(tmp_path: Path) -> None:
     proc.stdout.close()
     assert proc.wait() == 0
     assert out.split() == [b"65534", b"65534", b"[65534]"]
+
+
+def test_a_cache_holding_the_jobs_folders_is_refused_in_plain_words(tmp_path: Path) -> None:
+    """The cache is closed to the jobs (0700): one that holds the workers'
+    folder would shut every job out of its own. Refused, and nothing is
+    made or changed."""
+    from gpulayer.artifacts import ArtifactStore
+    from gpulayer.errors import WorkerError
+    from gpulayer.worker.worker import _run_as
+
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o755)
+    with pytest.raises(WorkerError, match=r"--run-as nobody: the cache .* holds the workers'"):
+        _run_as("nobody", home / "workers", ArtifactStore(home))
+    assert home.stat().st_mode & 0o777 == 0o755
+    assert os.listdir(home) == []
+
+
+def test_a_job_reaches_its_inputs_under_the_strictest_umask(server: object, place: Path) -> None:
+    """A worker started with umask 077 made each task's inputs/ 0700, root's:
+    a job run as nobody could not reach its own input."""
+    from server.conftest import ServerProc
+
+    assert isinstance(server, ServerProc)
+    home = place / "worker-home-umask"
+    home.mkdir()
+    home.chmod(0o711)
+    _worker(server, home, "--run-as", "nobody", umask=0o077)
+    data = place / "input-077.txt"
+    data.write_text("reached")
+    with server.client() as client:
+        job = client.submit(
+            command=[SYSTEM_PYTHON, "-c", "print(open('data').read())"], inputs={"data": str(data)}
+        )
+        assert job.wait(timeout=120) == "succeeded", job.info.reason
+        assert job.logs().strip().splitlines()[-1] == "reached"

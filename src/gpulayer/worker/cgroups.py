@@ -89,6 +89,7 @@ class CgroupContainment(Containment):
         self.root = root
         self.hierarchy_path = f"{path.rstrip('/')}/{root.name}"  # as /proc/<pid>/cgroup says
         self.spawner = root / "worker"  # the worker process: where its children start
+        self.spawner_path = f"{self.hierarchy_path}/worker"
         self.memory = memory  # the v1 memory controller's cgroup for it, if any
         self.has_kill = has_kill
         self.v2_memory = "memory" in (root / "cgroup.subtree_control").read_text().split()
@@ -107,7 +108,7 @@ class CgroupContainment(Containment):
             raise Unavailable(f"cannot read this process's cgroups: {exc}") from None
         if base is None:
             raise Unavailable(f"no cgroup2 mount holds this process's cgroup {path}")
-        _sweep_stale(base)
+        _sweep_stale(base, path)
         name = f"gpulayer-{os.getpid()}-{proc_stat('self').start}"
         root = base / name
         try:
@@ -156,7 +157,20 @@ class CgroupContainment(Containment):
 
     def place(self, box: CgroupBox, pid: int, since: int) -> None:
         """Move the task's new process into its box, then what it started
-        before the move (see the module)."""
+        before the move (see the module).
+
+        The task's process is the worker's child, not reaped yet: its pid
+        is its own. A stray is known by a listing only, and may have exited
+        since, its pid given to another process: each is acted on through a
+        pidfd, once ``/proc`` says (read after the pidfd was taken) that the
+        pid still names a process in ``worker/``, outside the worker's
+        session, born since the task's start, which only a process of the
+        task's can be (see the module). A kill goes through that pidfd. A
+        move can only name a pid (``cgroup.procs`` takes no pidfd): between
+        the check and the write, the stray would have to exit, be reaped and
+        its pid be given out again, which takes the kernel's allocator a
+        round of the whole pid space (it hands pids out in turn), not the
+        microseconds in between."""
         box.move(pid)
         me, session = os.getpid(), os.getsid(0)
         deadline = time.monotonic() + _SWEEP_TIMEOUT_S
@@ -174,11 +188,16 @@ class CgroupContainment(Containment):
             if not strays:
                 return
             for stray in strays:
-                if rounds <= _SWEEP_MOVE_ROUNDS:
-                    box.move(stray)
-                else:  # forking faster than it is moved: it does not run on
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(stray, signal.SIGKILL)
+                fd = _pidfd_of_member(stray, self.spawner_path, session, since)
+                if fd is None:
+                    continue  # gone, or its pid is another process's now
+                try:
+                    if rounds <= _SWEEP_MOVE_ROUNDS:
+                        box.move(stray)
+                    else:  # forking faster than it is moved: it does not run on
+                        _signal_pidfds([fd], signal.SIGKILL)
+                finally:
+                    os.close(fd)
             if time.monotonic() > deadline:
                 raise WorkerError(
                     f"the processes a task started could not be kept in {box.path} within "
@@ -190,23 +209,38 @@ class CgroupContainment(Containment):
         one grace for all, and what its last spawn had not yet moved into
         one; then remove the worker's cgroups."""
         me, session = os.getpid(), os.getsid(0)
+        # Held by pidfd from the listing on: they get SIGKILL after the
+        # grace, when their pids could long be other processes'.
         unplaced = [
-            pid
+            fd
             for pid in _pids_here(self.spawner)
-            if pid != me and _session_of(pid) not in (session, None)
+            if pid != me
+            and (fd := _pidfd_of_member(pid, self.spawner_path, session, 0)) is not None
         ]
-        for pid in unplaced:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-        held = [CgroupBox(self, path, None) for path in self._task_dirs() if _populated(path)]
-        for box in held:
-            box.signal_rest(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for box in held:
-            _wait_empty(box.path, max(0.0, deadline - time.monotonic()))
-        for pid in unplaced:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        try:
+            _signal_pidfds(unplaced, signal.SIGTERM)
+            held = [CgroupBox(self, path, None) for path in self._task_dirs() if _populated(path)]
+            for box in held:
+                box.signal_rest(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for box in held:
+                _wait_empty(box.path, max(0.0, deadline - time.monotonic()))
+            _signal_pidfds(unplaced, signal.SIGKILL)
+        finally:
+            for fd in unplaced:
+                os.close(fd)
+        # And what those started meanwhile, or had no pidfd (out of fds):
+        # one at a time, each known to be there still.
+        for _ in range(100):  # each round kills all there are; forks race it
+            found = False
+            for pid in _pids_here(self.spawner):
+                fd = None if pid == me else _pidfd_of_member(pid, self.spawner_path, session, 0)
+                if fd is not None:
+                    found = True
+                    _signal_pidfds([fd], signal.SIGKILL)
+                    os.close(fd)
+            if not found:
+                break
         for box in held:
             box.end(0.0)
         self._close()  # the warden leaves the worker's cgroup, and removes it
@@ -289,9 +323,9 @@ class CgroupBox(Box):
             try:
                 self._owner.place(self, proc.pid, since)
             except BaseException:
-                kill_all(self.path, has_kill=self._owner.has_kill)
+                kill_all(self.path, self.hierarchy_path, has_kill=self._owner.has_kill)
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
+                    os.kill(proc.pid, signal.SIGKILL)  # its child, not reaped: its own pid
                 proc.wait()
                 for pipe in (proc.stdout, proc.stderr):
                     if pipe is not None:
@@ -303,7 +337,7 @@ class CgroupBox(Box):
         if not _populated(self.path):  # the usual case as a task's last process exits
             return
         if sig == signal.SIGKILL and not skip_groups:
-            kill_all(self.path, has_kill=self._owner.has_kill)
+            kill_all(self.path, self.hierarchy_path, has_kill=self._owner.has_kill)
             return
         for pid in _pids(self.path):
             if sig == signal.SIGTERM and pid in self._told:
@@ -320,7 +354,7 @@ class CgroupBox(Box):
         if _wait_empty(self.path, grace):
             self._empty = True
             return
-        kill_all(self.path, has_kill=self._owner.has_kill)
+        kill_all(self.path, self.hierarchy_path, has_kill=self._owner.has_kill)
         self._empty = _wait_empty(self.path, KILL_WAIT_S)
         if not self._empty:
             log.warning("processes of %s survived SIGKILL: %s", self.path, _pids(self.path))
@@ -357,9 +391,12 @@ class CgroupBox(Box):
         return None
 
 
-def kill_all(cgroup: Path, *, has_kill: bool) -> None:
-    """SIGKILL to everything in ``cgroup``, at once where the kernel can
-    (5.14 and later), else to each process until none is left."""
+def kill_all(cgroup: Path, hierarchy: str, *, has_kill: bool) -> None:
+    """SIGKILL to everything in ``cgroup`` (``hierarchy``: its path as
+    ``/proc/<pid>/cgroup`` says), at once where the kernel can (5.14 and
+    later), else to each process until none is left: each through a pidfd,
+    once it is known to be in it still (never a pid reused since the
+    listing)."""
     if has_kill:
         with contextlib.suppress(OSError):  # gone, or being removed: nothing to kill
             _write(cgroup / "cgroup.kill", "1")
@@ -369,8 +406,42 @@ def kill_all(cgroup: Path, *, has_kill: bool) -> None:
         if not pids:
             return
         for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            fd = _pidfd_of_member(pid, hierarchy, None, 0, under=True)
+            if fd is not None:
+                _signal_pidfds([fd], signal.SIGKILL)
+                os.close(fd)
+
+
+def _pidfd_of_member(
+    pid: int, cgroup: str, not_session: int | None, since: int, *, under: bool = False
+) -> int | None:
+    """A pidfd for ``pid`` if, read once it is taken (it then holds the
+    process ``/proc`` shows), the pid names a process in cgroup ``cgroup``
+    (its hierarchy path; or one under it, with ``under``), not in session
+    ``not_session``, started at or after ``since`` (clock ticks after
+    boot); else None. The caller closes it."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # gone (ESRCH): nothing is ever acted on by number
+        return None
+    try:
+        with open(f"/proc/{pid}/cgroup", "rb") as file:
+            lines = file.read().splitlines()
+        where = next((line[3:].decode() for line in lines if line.startswith(b"0::")), None)
+        inside = where == cgroup or (under and where is not None and where.startswith(cgroup + "/"))
+        st = proc_stat(pid)
+        if inside and st.session != not_session and st.start >= since:
+            return fd
+    except (OSError, ValueError):  # reaped meanwhile
+        pass
+    os.close(fd)
+    return None
+
+
+def _signal_pidfds(fds: Sequence[int], sig: signal.Signals) -> None:
+    for fd in fds:
+        with contextlib.suppress(ProcessLookupError):  # exited meanwhile
+            signal.pidfd_send_signal(fd, sig)
 
 
 def _signal_member(pid: int, sig: signal.Signals, cgroup: str, skip_groups: frozenset[int]) -> bool:
@@ -434,13 +505,6 @@ def _pids(cgroup: Path) -> list[int]:
     for top, _dirs, _files in os.walk(cgroup):
         found.extend(_pids_here(Path(top)))
     return found
-
-
-def _session_of(pid: int) -> int | None:
-    try:
-        return os.getsid(pid)
-    except ProcessLookupError:
-        return None
 
 
 def _populated(cgroup: Path) -> bool:
@@ -548,7 +612,7 @@ def _v1_memory(name: str) -> Path | None:
         base = None if path is None else _mount_of("cgroup", path, "memory")
         if base is None:
             return None
-        _sweep_stale(base, v1=True)
+        _sweep_stale(base, path or "", v1=True)
         root = base / name
         root.mkdir()
     except (OSError, Unavailable, ValueError):
@@ -569,8 +633,9 @@ def _owner_alive(name: str) -> bool | None:
         return False
 
 
-def _sweep_stale(base: Path, *, v1: bool = False) -> None:
-    """Remove what dead worker processes left in ``base``: their tasks'
+def _sweep_stale(base: Path, hierarchy: str, *, v1: bool = False) -> None:
+    """Remove what dead worker processes left in ``base`` (cgroup
+    ``hierarchy``, as ``/proc/<pid>/cgroup`` names it): their tasks'
     cgroups (ending what is still in them) and their own. One whose
     ``worker/`` still holds a process is left: its warden is at work."""
     try:
@@ -586,6 +651,7 @@ def _sweep_stale(base: Path, *, v1: bool = False) -> None:
             for task in entry.iterdir():
                 if task.is_dir() and task.name != "worker" and _populated(task):
                     log.warning("ending the processes a dead worker's task left in %s", task)
-                    kill_all(task, has_kill=(task / "cgroup.kill").exists())
+                    at = f"{hierarchy.rstrip('/')}/{entry.name}/{task.name}"
+                    kill_all(task, at, has_kill=(task / "cgroup.kill").exists())
                     _wait_empty(task, KILL_WAIT_S)
         _remove(entry)

@@ -13,9 +13,10 @@ warden ends what it left). The kernel keeps the box, by one of:
   tasks, so a process whose parent exits is reparented to the worker instead
   of to init. When a task ends, its processes still attached to its tree and
   the orphans born while it ran (and while no other task that could own them
-  ran) are ended and reaped. An orphan is the worker's child outside the
-  worker's session (a task's processes are never in it: each task starts a
-  session of its own).
+  ran) are ended and reaped; those that exit while it runs are reaped
+  meanwhile, each zombie holding a pid. An orphan is the worker's child
+  outside the worker's session (a task's processes are never in it: each
+  task starts a session of its own).
 - **process tree**, where neither exists (not Linux): the task's session,
   process group and tree as psutil reads them, which a daemon that leaves
   them escapes.
@@ -66,6 +67,9 @@ MODES = ("auto", "cgroup", "subreaper")
 # the same place (see cgroups.py).
 SPAWN_LOCK = threading.Lock()
 _PR_SET_CHILD_SUBREAPER = 36
+# How long a subreaper's close waits for its reaper thread to end (it ends
+# as soon as it is woken, unless it is in the middle of a reap).
+_REAPER_STOP_S = 5.0
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -305,16 +309,93 @@ class SubreaperContainment(Containment):
         # Every task process started here, by pid, while its box is open: an
         # orphan whose session or group it led is that task's.
         self._roots: dict[int, SubreaperBox] = {}
+        # The reaper (see _reap_loop), woken as boxes open and close; one
+        # reap at a time, so that a zombie is reaped once, by its pidfd.
+        self._changed = threading.Condition(self._lock)
+        self._reaper: threading.Thread | None = None
+        self._stopping = False
+        self._reap_lock = threading.Lock()
 
     def box(self) -> Box:
         box = SubreaperBox(self)
         with self._lock:
             self._open.append(box)
+            if self._reaper is None and not self._stopping:
+                self._reaper = threading.Thread(
+                    target=self._reap_loop, name="gpulayer-orphan-reaper", daemon=True
+                )
+                self._reaper.start()
+            self._changed.notify_all()
         return box
 
     def _close(self, leaving: Sequence[int] = ()) -> None:
+        with self._lock:
+            self._stopping = True
+            reaper, self._reaper = self._reaper, None
+            self._changed.notify_all()
+        if reaper is not None and reaper is not threading.current_thread():
+            reaper.join(_REAPER_STOP_S)
         with contextlib.suppress(Unavailable):
             _set_subreaper(False)
+
+    def _reap_loop(self) -> None:
+        """Reap the tasks' dead orphans while any task runs here.
+
+        An orphan's exit leaves a zombie of the worker's, holding its pid
+        until the worker reaps it: reaped only at its task's end, a job that
+        makes orphans by the thousand (``(cmd &)`` in a loop) would run the
+        machine out of pids, for every user. Nothing tells a thread of a
+        child's exit without taking it (SIGCHLD goes to the process, whose
+        handlers are its host program's; a ``waitid(WNOWAIT)`` on all
+        children wakes at once, and again, for a zombie left to another
+        waiter): so the orphans are looked for every ``ORPHAN_REAP_S``, a
+        read of one small /proc file when there are none."""
+        while True:
+            with self._lock:
+                while not self._open and not self._stopping:
+                    self._changed.wait()
+                if self._stopping:
+                    return
+                self._changed.wait(defaults.ORPHAN_REAP_S)
+                if self._stopping:
+                    return
+            try:
+                self.reap()
+            except Exception:  # never let the reaper die: it would leak pids
+                log.exception("reaping the tasks' orphans failed; trying again")
+
+    def reap(self) -> int:
+        """Reap the zombies among the worker's children that are its open
+        boxes' orphans; how many.
+
+        Only those the boxes would end anyway (see :meth:`_orphans_of`): a
+        child of the main thread outside the worker's session, not a task's
+        own process (its waiter reaps it, for its exit status), and in a
+        session or group a task's process led, or born since a box still
+        open was made. So a child of the host program in its session (the
+        usual ``Popen``), or born before, is never taken. Each is reaped
+        through a pidfd taken after it was found: never a pid reused since."""
+        with self._reap_lock:
+            with self._lock:
+                roots = set(self._roots)
+                since = min((b.since for b in self._open), default=None)
+            if since is None:
+                return 0
+            session = os.getsid(0)
+            reaped = 0
+            for pid in _children_of_main_thread():
+                if pid in roots:
+                    continue
+                try:
+                    st = proc_stat(pid)
+                except (FileNotFoundError, ProcessLookupError):
+                    continue
+                if st.state != "Z" or st.session == session:
+                    continue
+                if st.start < since and not {st.session, st.group} & roots:
+                    continue
+                reaped += _reap_zombie(pid, st.start)
+            return reaped
 
     def _started(self, box: SubreaperBox, pid: int) -> None:
         with self._lock:
@@ -448,10 +529,9 @@ class SubreaperBox(Box):
         self._reap()
 
     def _reap(self) -> None:
-        """Collect the orphans that died as the worker's children."""
-        for pid in self._owner._orphans_of(self):
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
+        """Collect the orphans that died as the worker's children (the
+        reaper does the same while the task runs)."""
+        self._owner.reap()
 
     def _close(self) -> Usage:
         if not self._closed:
@@ -459,6 +539,33 @@ class SubreaperBox(Box):
             self._reap()
             self._owner._closed(self)
         return Usage()
+
+
+def _reap_zombie(pid: int, start: int) -> int:
+    """Reap child ``pid``, a zombie that started at ``start``; 1 if reaped.
+
+    Through a pidfd: once taken, ``/proc`` read again says whether the pid
+    still names that zombie (the same start time), or was reaped by another
+    waiter meanwhile and given to a new process, which is left alone."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (ProcessLookupError, OSError):
+        return 0
+    try:
+        st = proc_stat(pid)
+        if st.start != start or st.state != "Z":
+            return 0
+        if _P_PIDFD is not None:
+            return 0 if os.waitid(_P_PIDFD, fd, os.WEXITED | os.WNOHANG) is None else 1
+        # A Python without P_PIDFD: by pid, as checked above.
+        return 1 if os.waitpid(pid, os.WNOHANG)[0] else 0
+    except (ChildProcessError, FileNotFoundError, ProcessLookupError):
+        return 0
+    finally:
+        os.close(fd)
+
+
+_P_PIDFD: int | None = getattr(os, "P_PIDFD", None)
 
 
 def _children_of_main_thread() -> list[int]:

@@ -67,15 +67,23 @@ class Kept(msgspec.Struct):
     lines: list[LogLine] = []
 
 
+# The ledgers are the worker's alone: a result kept there carries its task's
+# last log lines, and a job run as another user (--run-as) may list and read
+# nothing of the worker's. Set by chmod: mkdir's mode is masked by the umask.
+_DIR_MODE = 0o700
+
+
 class Ledger:
     def __init__(self, work_dir: Path) -> None:
         self.root = work_dir / "live"
         self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, _DIR_MODE)  # one made by an older version too
         name = f"{os.getpid()}-{secrets.token_hex(4)}"
         # Locked before it has its name: no one can see it unlocked.
         new = self.root / f".new-{name}"
-        (new / "tasks").mkdir(parents=True)
-        (new / "results").mkdir()
+        for folder in (new, new / "tasks", new / "results"):
+            folder.mkdir(mode=_DIR_MODE)
+            os.chmod(folder, _DIR_MODE)
         fd = take_lock(new / "lock", create=True)
         assert fd is not None  # a name no one else has
         self._fd = fd

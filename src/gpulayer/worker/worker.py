@@ -19,6 +19,7 @@ import functools
 import itertools
 import logging
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -65,6 +66,9 @@ _LOOP_END_S = 5.0
 _OUTBOX_STOP_S = 10.0
 # How long a worker whose start failed after registering waits for its goodbye.
 _GOODBYE_WAIT_S = 3.0
+# Under --run-as, the folders between the worker's home and a job's own:
+# gone through by the job, never listed (so no other task's is found).
+_THROUGH_ONLY = 0o711
 
 
 class Worker:
@@ -99,7 +103,7 @@ class Worker:
                 f"a job's outputs need a limit of at least 1 byte, got {max_output_bytes}"
             )
         self.max_output_bytes = max_output_bytes
-        self.run_as = None if run_as is None else _run_as(run_as, work_dir)
+        self.run_as = None if run_as is None else _run_as(run_as, work_dir, cache)
         self.transport = transport
         self.cache = cache
         self.work_dir = work_dir
@@ -306,9 +310,9 @@ class Worker:
                 self._deliver_kept(self._ledger, last_try=True)
         self._interface = interface_of(self.info.address)
         self.tasks_dir = self.work_dir / self.info.id
-        self._spares = [make_spare(self._new_dir()) for _ in self.info.slot_gpus[:4]]
+        self._spares = [self._spare() for _ in self.info.slot_gpus[:4]]
         if self.run_as is not None:  # its jobs go down to their folders in it
-            self.tasks_dir.chmod(0o711)
+            self.tasks_dir.chmod(_THROUGH_ONLY)
         self._thread = threading.Thread(
             target=self._loop, name=f"gpulayer-worker-{self.info.id}", daemon=True
         )
@@ -530,9 +534,22 @@ class Worker:
             except Exception:
                 log.exception("worker %s: heartbeat failed", self.info.id)
 
-    def _new_dir(self) -> Path:
+    def _spare(self) -> Path:
+        """A new task folder, with its empty workspace (see make_spare).
+
+        Under --run-as every job runs as the same user, and each must reach
+        its own folder only: the folders of the tasks cannot be listed
+        (``_THROUGH_ONLY``), and each is named with a random part, which no
+        other job can guess. Its workspace is the job's alone once given to
+        it (0700: whatever the umask, no other local user's)."""
         assert self.tasks_dir is not None
-        return self.tasks_dir / f"task-{next(self._dir_numbers)}"
+        number = next(self._dir_numbers)
+        if self.run_as is None:
+            return make_spare(self.tasks_dir / f"task-{number}")
+        spare = make_spare(self.tasks_dir / f"task-{number}-{secrets.token_hex(8)}")
+        spare.chmod(_THROUGH_ONLY)
+        (spare / "workspace").chmod(0o700)
+        return spare
 
     def _start_task(self, task: RunTask, acquired: float) -> None:
         if self._stopping.is_set():  # placed as we stopped: hand it back, unrun
@@ -553,7 +570,7 @@ class Worker:
             env = {**spec.env, **spec.secrets}
             task = msgspec.structs.replace(task, spec=msgspec.structs.replace(spec, env=env))
         with self._tasks_lock:
-            task_dir = self._spares.pop() if self._spares else make_spare(self._new_dir())
+            task_dir = self._spares.pop() if self._spares else self._spare()
         run = TaskRun(
             task,
             worker_id=self.info.id,
@@ -592,12 +609,17 @@ class Worker:
         # up here costs the job nothing.
         if self._ledger is not None:
             self._ledger.forget(f"{run.task.job_id}-{run.task.attempt}")
+        if self.run_as is not None:
+            # What the task left (its inputs, its workspace) is out of every
+            # later job's reach at once, while it is being removed.
+            with contextlib.suppress(OSError):
+                run.dir.chmod(0o700)
         spare = None
         if not self._stopping.is_set():
             # A workspace its job's user owned is never reused: another job
             # of that user could plant links in it before the next prepare.
             reused = None if self.run_as is not None else reuse_if_empty(run.dir)
-            spare = reused or make_spare(self._new_dir())
+            spare = reused or self._spare()
         if spare != run.dir:
             # Off this thread: it may go on to supervise the next task, whose
             # pipes must not wait for a big workspace to be deleted.
@@ -690,10 +712,26 @@ class Worker:
         return all_ended
 
 
-def _run_as(user: str, work_dir: Path) -> RunAs:
-    """The user jobs run as, once it is known they can: WorkerError if not."""
+def _run_as(user: str, work_dir: Path, cache: ArtifactStore) -> RunAs:
+    """The user jobs run as, once it is known they can: WorkerError if not.
+
+    Its jobs go down through the worker's folders to their own, and may
+    list or read nothing else of the worker's: the folder of the workers'
+    task folders lets them through only, and the cache and the ledger
+    (``live/``) are the worker's alone. Each mode is set, not left to the
+    umask."""
     run_as = RunAs.lookup(user)
-    work_dir.mkdir(parents=True, exist_ok=True)
+    if work_dir.resolve().is_relative_to(cache.root.resolve()):
+        raise WorkerError(
+            f"--run-as {user}: the cache {cache.root} holds the workers' folder {work_dir}; "
+            "a cache is closed to the jobs: give it a folder of its own (--cache)"
+        )
+    if not work_dir.parent.exists():  # the home: made to be gone through
+        work_dir.parent.mkdir(parents=True, exist_ok=True)
+        work_dir.parent.chmod(_THROUGH_ONLY)
+    work_dir.mkdir(exist_ok=True)
+    work_dir.chmod(_THROUGH_ONLY)
+    cache.close_to_others()
     blocked = run_as.can_reach(work_dir)
     if blocked is not None:
         raise WorkerError(
