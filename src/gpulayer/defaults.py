@@ -89,6 +89,10 @@ PIPE_DRAIN_S = 2.0
 # "subreaper" (orphans come back to the worker), or "auto": the first that
 # works. A Worker's own option wins over this variable.
 CONTAINMENT_ENV = "GPULAYER_CONTAINMENT"
+# A subreaper worker reaps its running tasks' dead orphans this often: each
+# holds a pid until reaped, so a job making orphans fast holds at most what
+# it makes in this time (a scan costs some 20 us when there are none).
+ORPHAN_REAP_S = 0.05
 
 # A bundle or input above this size gets a warning: it is uploaded at every
 # launch unless unchanged.
@@ -148,6 +152,25 @@ OUTPUT_UPLOAD_PATIENCE_S = 600.0
 # runaway job cannot fill a server's disk unnoticed. Bigger files belong on
 # shared storage. `gpulayer worker start --max-output-bytes` sets it.
 MAX_OUTPUT_BYTES = 10 * 1024**3
+# The most files, folders and links a job's outputs may hold, all together.
+# Each file is a blob to store (a sync each) and, on download, one to fetch
+# (a request each over HTTP), and a folder's manifest (about 150 bytes an
+# entry) is read whole by the worker and each client: 100,000 tiny files
+# are a 15 MB manifest, 55 s to store and 5 s to download embedded (one
+# core). A million-file output (a preprocessed dataset) is plausible, but
+# belongs in shards (tar, webdataset) or on shared storage.
+MAX_OUTPUT_ENTRIES = 100_000
+# The most folders deep an output's path may be, from the workspace. Real
+# trees are a few levels deep, rarely 30 (build trees, packages); the walk
+# holds one descriptor per level, and several tasks may collect at once
+# under the worker's one limit (1,024 by default): 16 at 64 deep is 1,040.
+MAX_OUTPUT_DEPTH = 64
+# The longest an output's path may be, from the workspace (UTF-8 bytes): a
+# client writes it under its download folder, and PATH_MAX is 4,096 bytes
+# on Linux, its NUL included: 3,840 leaves 255 for the download folder. No
+# name in it may be longer than NAME_MAX, 255 bytes.
+MAX_OUTPUT_PATH_BYTES = 3840
+MAX_OUTPUT_NAME_BYTES = 255
 # The server freezes long-lived objects out of the garbage collector's view
 # this often, and runs a real full collection this often (see http/server.py).
 GC_FREEZE_INTERVAL_S = 1.0  # gc.freeze() itself costs nothing: it moves a list

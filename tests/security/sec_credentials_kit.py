@@ -29,6 +29,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from sec_python import nobody_pythonpath
 
 import gpulayer
 
@@ -39,6 +40,8 @@ AS_ROOT = os.geteuid() == 0
 
 def _src_path() -> str:
     """Where an interpreter of another user finds gpulayer and its packages."""
+    if AS_ROOT:
+        return nobody_pythonpath()
     return os.pathsep.join(
         [str(Path(gpulayer.__file__).parents[1]), str(Path(msgspec.__file__).parents[1])]
     )
