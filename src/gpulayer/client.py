@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from . import bundle, defaults
-from .errors import GPUlayerError, SpecError, WaitTimeout, WorkerError
+from .errors import GPUlayerError, SpecError, TransportError, WaitTimeout, WorkerError
 from .home import resolve_home
+from .ids import is_job_id
 from .jobs import JobInfo, LogLine, WorkerInfo
 from .outputs import UnsafeOutputError, shorten, tidy
 from .spec import ArtifactRef, check_input_name, parse_spec
@@ -479,11 +480,31 @@ class Job:
 
     def __init__(self, client: Client, info: JobInfo, source_dir: Path | None = None) -> None:
         self._client = client
-        self.info = info
+        # The id names the folder its outputs are downloaded into: one from
+        # a hostile or broken server ("/home/you", "../..") must go no further.
+        if not is_job_id(info.id):
+            raise TransportError(
+                f"the server answered with {shorten(info.id)!r} as a job id, which is not "
+                "one GPUlayer makes; nothing was written"
+            )
         self.id = info.id
+        self.info = info
         self._source_dir = source_dir
         if not info.done:
             client._track(self)
+
+    @property
+    def info(self) -> JobInfo:
+        """The job's record, as last read."""
+        return self._info
+
+    @info.setter
+    def info(self, info: JobInfo) -> None:
+        if info.id != self.id:
+            raise TransportError(
+                f"asked about job {self.id}, the server answered about {shorten(info.id)!r}"
+            )
+        self._info = info
 
     def __repr__(self) -> str:
         return f"<Job {self.id} {self.info.state}>"

@@ -48,6 +48,11 @@ def new_id() -> str:
     return _b32(((millis & ((1 << 45) - 1)) << _RAND_BITS) | rand, 14)
 
 
+def is_job_id(value: str) -> bool:
+    """Whether ``value`` looks like an id GPUlayer makes."""
+    return _ID.fullmatch(value) is not None
+
+
 def check_id(field: str, value: str) -> None:
     """Ids from outside (a client proposing one) must look like ours."""
     from .errors import SpecError

@@ -626,3 +626,87 @@ def test_an_output_inside_a_folder_output_is_written_once_with_it(
     out = gpulayer.Job(embedded, _record(embedded, refs)).download_outputs(tmp_path / "dl")
     assert (out / "ckpt" / "a").read_bytes() == b"A"
     assert (out / "ckpt" / "sub" / "b").read_bytes() == b"B"
+
+
+def _everything(root: Path) -> dict[str, object]:
+    """Every path under ``root``: a folder, a link's target, or a file's bytes."""
+    found: dict[str, object] = {}
+    for path in sorted(root.rglob("*")):
+        key = str(path.relative_to(root))
+        if path.is_symlink():
+            found[key] = ("link", os.readlink(path))
+        elif path.is_dir():
+            found[key] = "dir"
+        else:
+            found[key] = path.read_bytes()
+    return found
+
+
+def _hostile_server(record: dict[str, object], blob: bytes) -> Any:
+    """A fake server (stdlib http.server) that answers every job request with ``record``."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _send(self, body: bytes, kind: str = "application/json") -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            path = self.path.split("?")[0]
+            if path.startswith("/api/v1/blobs/"):
+                self._send(blob, "application/octet-stream")
+            elif path.endswith("/logs"):
+                chunk = {"lines": [], "attempt": 1, "cursor": [1, 0], "done": True}
+                self._send(json.dumps(chunk).encode())
+            else:
+                self._send(json.dumps(record).encode())
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize("hostile_id", ["{victim}", "../../victim", "0123456789abcz/../../victim"])
+def test_a_server_naming_a_job_by_a_path_writes_and_removes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hostile_id: str
+) -> None:
+    """The default download folder is gpulayer_runs/<job id>: a server that
+    answered with the id '/home/you' (or '../..') had the client replace
+    the user's folder there with its own file (found by a reviewer)."""
+    victim = tmp_path / "victim"
+    (victim / "project").mkdir(parents=True)
+    (victim / "project" / "precious.py").write_text("the user's source\n")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    blob = b"replaced by the server\n"
+    record = {
+        "id": hostile_id.format(victim=victim),
+        "spec": {"command": ["true"]},
+        "state": "succeeded",
+        "outputs": {
+            "project": {"kind": "file", "digest": hashlib.sha256(blob).hexdigest(), "size": 23}
+        },
+    }
+    before = _everything(tmp_path)
+    server = _hostile_server(record, blob)
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        with (
+            gpulayer.Client(url, token="x", home=tmp_path / "home", auto_worker=False) as client,
+            pytest.raises(gpulayer.TransportError, match="not one GPUlayer makes"),
+        ):
+            client.job("0123456789abcd").download_outputs()
+    finally:
+        server.shutdown()
+        server.server_close()
+    after = {k: v for k, v in _everything(tmp_path).items() if not k.startswith("home")}
+    assert after == {k: v for k, v in before.items() if not k.startswith("home")}
