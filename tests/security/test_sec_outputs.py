@@ -33,7 +33,7 @@ from gpulayer.outputs import OutputLimitError, UnsafeOutputError, check_result, 
 from gpulayer.service import ControlPlane
 from gpulayer.spec import ArtifactRef, parse_spec
 from gpulayer.transport.http import HttpTransport
-from gpulayer.worker.workspace import collect_outputs
+from gpulayer.worker.collect import collect_outputs
 from server.conftest import ServerProc, worker_start_refused
 from server.rawhttp import request
 

@@ -491,7 +491,7 @@ def test_a_workers_report_may_be_longer_than_a_users_request(
     parts, and one refused would leave the job running."""
     import gpulayer.http.app as app_module
 
-    monkeypatch.setattr(app_module, "_REPORT_MAX", 8 * 2**20)
+    monkeypatch.setattr(app_module, "REPORT_MAX", 8 * 2**20)
     from gpulayer import defaults
 
     monkeypatch.setattr(defaults, "JSON_BODY_MAX_BYTES", 1 * 2**20)

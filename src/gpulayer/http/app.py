@@ -12,13 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
-import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
 
-import msgspec
 from starlette.responses import FileResponse
 
 from .. import defaults
@@ -47,8 +43,28 @@ from ..service.blobs import worker_reader
 from ..service.state import Delivery
 from ..signals import Unsubscribe
 from . import auth
+from .handling import (
+    CALLER,
+    DIGEST,
+    GENERATION,
+    LOGS_MAX,
+    REPORT_MAX,
+    RESULT_ADVICE,
+    SEQ,
+    SMALL_REPORT_MAX,
+    ApiError,
+    caller_of,
+    error_response,
+    poll_timeout,
+    query_generation,
+    query_int,
+    read_body,
+    role_of,
+    until_signal,
+    viewer_of,
+)
 from .metrics import Metrics
-from .routing import App, ASGIResponse, BodyTooLarge, Handler, Request, Response, json_response
+from .routing import App, ASGIResponse, Handler, Request, Response, json_response
 from .schemas import (
     BlobList,
     HeartbeatRequest,
@@ -64,213 +80,6 @@ from .schemas import (
 
 log = logging.getLogger(__name__)
 _MAX_CACHED_TOKENS = 10_000
-# Where the guard leaves the caller (an auth.Caller) and its Authorization
-# header in the ASGI scope.
-_CALLER = "gpulayer.caller"
-T = TypeVar("T")
-
-MAX_POLL_S = 60.0  # a long poll returns empty after this; the caller asks again
-_encoder = msgspec.json.Encoder()
-_json = json_response
-
-
-class ApiError(GPUlayerError):
-    def __init__(self, status: int, message: str) -> None:
-        self.status = status
-        super().__init__(message)
-
-
-def _error(status: int, message: str) -> Response:
-    return _json({"error": message}, status)
-
-
-# What each worker report may take (see defaults): a task's result the most
-# (an entry per output file), since it cannot be sent in parts; the others
-# far less. Past its limit a body is refused unread (see routing.Request.body).
-_REPORT_MAX = defaults.RESULT_REPORT_MAX_BYTES
-_LOGS_MAX = defaults.LOG_REPORT_MAX_BYTES
-_SMALL_REPORT_MAX = defaults.REPORT_MAX_BYTES
-_RESULT_ADVICE = (
-    "a task's result this long lists too many outputs: declare a folder (one entry) "
-    "rather than a glob that matches many files"
-)
-
-_DIGEST = re.compile("[0-9a-f]{64}")  # as artifacts checks it, without making a path
-_LONG_DIGITS = re.compile(rb"\d{19}")  # a JSON number this long may not fit in 64 bits
-_INT64 = (-(2**63), 2**63 - 1)
-
-
-async def _body(
-    request: Request, kind: type[T], limit: int | None = None, advice: str = "send it in parts"
-) -> T:
-    try:
-        raw = await request.body(limit=limit or defaults.JSON_BODY_MAX_BYTES)
-    except BodyTooLarge as exc:
-        raise ApiError(
-            413, f"the request body is over {exc.limit // 2**20} MiB; {advice}"
-        ) from None
-    try:
-        try:
-            body = msgspec.json.decode(raw, type=kind, strict=True)
-        except msgspec.ValidationError as exc:
-            body = _with_whole_floats(raw, kind, exc)
-        except msgspec.DecodeError as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-    except RecursionError:  # in msgspec, or in the second look for whole floats
-        raise ApiError(422, "invalid request body: nested too deeply") from None
-    if _LONG_DIGITS.search(raw):  # rare: look for integers the store cannot hold
-        where = _too_big(body, "$")
-        if where is not None:
-            raise ApiError(
-                422, f"invalid request body: integer out of range (64 bits at most) - at `{where}`"
-            )
-    return body
-
-
-def _with_whole_floats(raw: bytes | bytearray, kind: type[T], exc: msgspec.ValidationError) -> T:
-    """Decode again taking ``2.0`` for the integer 2, as JSON Schema does; else a 422."""
-    if "got `float`" in str(exc):
-        data = _ints_for_whole_floats(msgspec.json.decode(raw))
-        try:
-            return msgspec.json.decode(_encoder.encode(data), type=kind, strict=True)
-        except msgspec.ValidationError as again:
-            exc = again
-    raise ApiError(422, f"invalid request body: {exc}") from None
-
-
-def _ints_for_whole_floats(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
-        return int(value)
-    if isinstance(value, dict):
-        return {key: _ints_for_whole_floats(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_ints_for_whole_floats(item) for item in value]
-    return value
-
-
-def _too_big(value: Any, path: str) -> str | None:
-    """Where in a decoded body an integer outside 64 bits is, or None."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return None if _INT64[0] <= value <= _INT64[1] else path
-    if isinstance(value, msgspec.Struct):
-        items = [(f"{path}.{name}", getattr(value, name)) for name in value.__struct_fields__]
-    elif isinstance(value, dict):
-        items = [(f"{path}.{key}", item) for key, item in value.items()]
-    elif isinstance(value, list | tuple):
-        items = [(f"{path}[{index}]", item) for index, item in enumerate(value)]
-    else:
-        return None
-    for where, item in items:
-        found = _too_big(item, where)
-        if found is not None:
-            return found
-    return None
-
-
-def _query_float(request: Request, name: str, default: float, *, high: float = MAX_POLL_S) -> float:
-    raw = request.query_value(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ApiError(
-            422, f"query parameter {name} must be a number of seconds, got {raw!r}"
-        ) from None
-    if not 0 <= value <= high:
-        raise ApiError(422, f"query parameter {name} must be between 0 and {high:g}, got {raw!r}")
-    return value
-
-
-def _query_int(
-    request: Request, name: str, default: int, *, low: int = 0, high: int = 1 << 62
-) -> int:
-    raw = request.query_value(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ApiError(422, f"query parameter {name} must be an integer, got {raw!r}") from None
-    if not low <= value <= high:
-        raise ApiError(422, f"query parameter {name} must be between {low} and {high}, got {raw!r}")
-    return value
-
-
-# Numbered deliveries (see Api.acquire): the first number in a reply, and the
-# registration the numbers belong to.
-_SEQ = "X-GPUlayer-Seq"
-_GENERATION = "X-GPUlayer-Generation"
-
-
-def _query_generation(request: Request) -> int | None:
-    if "gen" not in request.query:
-        return None
-    return _query_int(request, "gen", 0, high=(1 << 63) - 1)
-
-
-def _caller_of(request: Request) -> auth.Caller:
-    caller: auth.Caller = request.scope[_CALLER][0]
-    return caller
-
-
-def _role(request: Request) -> str:
-    return _caller_of(request).role
-
-
-def _viewer(request: Request) -> Viewer:
-    """Whose jobs the caller sees (see access.py)."""
-    viewer = _caller_of(request).viewer
-    if viewer is None:  # a token of no user that a route let through: sees nothing
-        raise auth.AuthError(403, f"a {_role(request)} token cannot look at jobs")
-    return viewer
-
-
-def _poll_timeout(request: Request, default: float) -> float:
-    """A long poll's ``timeout`` query parameter, cut to end when the caller's
-    token expires: nothing is handed out on an expired token."""
-    timeout = _query_float(request, "timeout", default)
-    expires = _caller_of(request).expires
-    return timeout if expires is None else max(0.0, min(timeout, expires - time.time()))
-
-
-async def until_signal(
-    plane: ControlPlane,
-    subscribe: Callable[[Callable[[], None]], Unsubscribe | None],
-    timeout: float,
-) -> bool:
-    """Await one firing of a control-plane signal, or ``timeout``; True if it fired.
-
-    Lean on purpose: a placement wakes the worker's long poll from inside
-    the request that placed it, on this loop's thread, and every hop of the
-    loop before the waiting request resumes is on the job's path. So a
-    firing on the loop's thread settles the future at once (no self-pipe
-    write), and the timeout is one timer rather than ``asyncio.wait_for``'s
-    wrapper task and futures.
-    """
-    loop = asyncio.get_running_loop()
-    fired = loop.create_future()
-    loop_thread = threading.get_ident()
-
-    def settle(result: bool) -> None:
-        if not fired.done():
-            fired.set_result(result)
-
-    def wake() -> None:  # called under the control plane's lock, maybe from another thread
-        if threading.get_ident() == loop_thread:
-            settle(True)
-        else:
-            loop.call_soon_threadsafe(settle, True)
-
-    unsubscribe = subscribe(wake)
-    if unsubscribe is None:
-        return True
-    timer = loop.call_later(timeout, settle, False)
-    try:
-        return bool(await fired)
-    finally:
-        timer.cancel()
-        plane.unsubscribe(unsubscribe)
 
 
 class Api:
@@ -317,9 +126,9 @@ class Api:
                             self._roles.clear()
                         self._roles[header] = known
                     auth.require(known.role, roles)
-                    request.scope[_CALLER] = (known, header)
+                    request.scope[CALLER] = (known, header)
                 else:
-                    request.scope[_CALLER] = (self._local, "")
+                    request.scope[CALLER] = (self._local, "")
                 # Most requests have no query string: parse none then.
                 unknown = (
                     sorted(set(request.query) - set(query))
@@ -331,51 +140,53 @@ class Api:
                     raise ApiError(422, f"unknown query parameter {unknown[0]!r}; {takes}")
                 return await handler(request)
             except auth.AuthError as exc:
-                return _error(exc.status, str(exc))
+                return error_response(exc.status, str(exc))
             except ApiError as exc:
-                return _error(exc.status, str(exc))
+                return error_response(exc.status, str(exc))
             except SpecError as exc:
-                return _json({"error": str(exc), "field": exc.field}, 422)
+                return json_response({"error": str(exc), "field": exc.field}, 422)
             except JobNotFoundError as exc:
-                return _error(404, str(exc))
+                return error_response(404, str(exc))
             except InvalidStateError as exc:
-                return _error(409, str(exc))
+                return error_response(409, str(exc))
             except ArtifactError as exc:
-                return _error(400, str(exc))
+                return error_response(400, str(exc))
             except StoreError as exc:  # the server's, not the request's: worth sending again
                 log.error("%s %s: %s", request.method, request.scope["path"], exc)
-                return _error(503, f"{exc}; nothing was changed, try again")
+                return error_response(503, f"{exc}; nothing was changed, try again")
             except GPUlayerError as exc:
-                return _error(400, str(exc))
+                return error_response(400, str(exc))
 
         return endpoint
 
     # ---- jobs ----
 
     async def submit(self, request: Request) -> Response:
-        body = await _body(request, SubmitRequest, defaults.SUBMIT_MAX_BYTES)
-        viewer = _viewer(request)
+        body = await read_body(request, SubmitRequest, defaults.SUBMIT_MAX_BYTES)
+        viewer = viewer_of(request)
         self.plane.check_blobs(viewer, body.spec, self.artifacts)  # only blobs it may read
         job = self.plane.submit(body.spec, body.id, viewer=viewer)
         if job.state == RUNNING:
             # Placed at once: let the worker's long poll answer first; it is
             # on the job's path, this reply is not.
             await asyncio.sleep(0)
-        return _json(job, 201)
+        return json_response(job, 201)
 
     async def list_jobs(self, request: Request) -> Response:
         states = request.query.get("state", [])
         for state in states:
             if state not in STATES:
                 raise ApiError(422, f"unknown state {state!r}; valid states: {', '.join(STATES)}")
-        limit = _query_int(request, "limit", 100, low=1, high=defaults.LIST_JOBS_MAX)
-        return _json(self.plane.list_jobs(states=states, limit=limit, viewer=_viewer(request)))
+        limit = query_int(request, "limit", 100, low=1, high=defaults.LIST_JOBS_MAX)
+        return json_response(
+            self.plane.list_jobs(states=states, limit=limit, viewer=viewer_of(request))
+        )
 
     # Each endpoint on one job finds it through the control plane with the
     # caller's viewer: a job it may not see is a 404, as for no job at all.
 
     async def get_job(self, request: Request) -> Response:
-        return _json(self.plane.get(request.path_params["job_id"], _viewer(request)))
+        return json_response(self.plane.get(request.path_params["job_id"], viewer_of(request)))
 
     async def _wait(self, job_id: str, timeout: float, viewer: Viewer) -> JobInfo:
         """The job (one ``viewer`` may see) once it is final, or as it is after ``timeout``."""
@@ -386,30 +197,30 @@ class Api:
         return final or self.plane.get(job_id, viewer)
 
     async def wait_job(self, request: Request) -> Response:
-        viewer = _viewer(request)
+        viewer = viewer_of(request)
         job_id = self.plane.resolve(request.path_params["job_id"], viewer)
-        return _json(await self._wait(job_id, _poll_timeout(request, 30.0), viewer))
+        return json_response(await self._wait(job_id, poll_timeout(request, 30.0), viewer))
 
     async def wait_jobs(self, request: Request) -> Response:
         """Wait for one job, and bring the records of the others asked about
         that are final by then (those the caller may not see are unknown)."""
-        body = await _body(request, WaitRequest)
-        viewer = _viewer(request)
-        timeout = _poll_timeout(request, 30.0)
+        body = await read_body(request, WaitRequest)
+        viewer = viewer_of(request)
+        timeout = poll_timeout(request, 30.0)
         job = await self._wait(self.plane.resolve(body.id, viewer), timeout, viewer)
         also, unknown = self.plane.finals(body.also, viewer)
-        return _json(WaitReply(job=job, also=also, unknown=unknown))
+        return json_response(WaitReply(job=job, also=also, unknown=unknown))
 
     async def cancel_job(self, request: Request) -> Response:
-        return _json(self.plane.cancel(request.path_params["job_id"], _viewer(request)))
+        return json_response(self.plane.cancel(request.path_params["job_id"], viewer_of(request)))
 
     async def job_logs(self, request: Request) -> Response:
-        job_id = self.plane.resolve(request.path_params["job_id"], _viewer(request))
-        after = (_query_int(request, "attempt", 0), _query_int(request, "seq", 0))
-        timeout = _poll_timeout(request, 0.0)
+        job_id = self.plane.resolve(request.path_params["job_id"], viewer_of(request))
+        after = (query_int(request, "attempt", 0), query_int(request, "seq", 0))
+        timeout = poll_timeout(request, 0.0)
         chunk = self.plane.logs_after(job_id, after)
         if chunk.lines or chunk.done or timeout <= 0:
-            return _json(chunk)
+            return json_response(chunk)
         found: list[LogChunk] = []
 
         def subscribe(callback: Callable[[], None]) -> Unsubscribe | None:
@@ -422,10 +233,10 @@ class Api:
             return unsubscribe
 
         await until_signal(self.plane, subscribe, timeout)
-        return _json(found[0] if found else self.plane.logs_after(job_id, after))
+        return json_response(found[0] if found else self.plane.logs_after(job_id, after))
 
     async def list_workers(self, request: Request) -> Response:
-        return _json(self.plane.list_workers(_viewer(request)))
+        return json_response(self.plane.list_workers(viewer_of(request)))
 
     # ---- blobs ----
 
@@ -438,7 +249,7 @@ class Api:
         """Whose blobs the caller reaches (in missing and PUT; for a worker's
         GET see may_fetch): its user's, or a worker token's uploads; None:
         every blob (an admin, a server without auth)."""
-        caller = _caller_of(request)
+        caller = caller_of(request)
         if caller.role == auth.WORKER:
             return worker_reader(caller.digest or "")
         viewer = caller.viewer
@@ -455,20 +266,20 @@ class Api:
         return worker_reader(digest or "")  # no token: it proved nothing
 
     async def missing_blobs(self, request: Request) -> Response:
-        body = await _body(request, BlobList, defaults.BLOB_LIST_MAX_BYTES)
+        body = await read_body(request, BlobList, defaults.BLOB_LIST_MAX_BYTES)
         asked = set(body.digests)
         reader = self._reader(request)
         if reader is None:
             missing = [d for d in asked if not self.artifacts.has(d)]
         else:
             for digest in asked:
-                if not _DIGEST.fullmatch(digest):
+                if not DIGEST.fullmatch(digest):
                     self.artifacts.path(digest)  # the 400 that names it
             # Only those it may read are looked for on disk: another user's
             # is missing for it (it uploads it, and may read it then).
             readable = self.plane.readable_by(reader, asked)
             missing = [d for d in asked if d not in readable or not self.artifacts.has(d)]
-        return _json(BlobList(digests=sorted(missing)))
+        return json_response(BlobList(digests=sorted(missing)))
 
     async def put_blob(self, request: Request) -> Response:
         """Store a blob: 201 whether or not it was stored already. Its sender
@@ -481,11 +292,11 @@ class Api:
             size = 0
             async for chunk in request.stream():
                 size += len(chunk)  # drained: it is here, and the caller may read it
-            return _json({"digest": digest, "size": size}, 201)
+            return json_response({"digest": digest, "size": size}, 201)
         stored, size = await self._receive_blob(request, digest, evenly=reader is not None)
         if reader is not None:
             self.plane.grant_to(reader, [stored])
-        return _json({"digest": stored, "size": size}, 201)
+        return json_response({"digest": stored, "size": size}, 201)
 
     async def _receive_blob(
         self, request: Request, digest: str, *, evenly: bool
@@ -519,7 +330,7 @@ class Api:
     async def get_blob(self, request: Request) -> ASGIResponse:
         digest = request.path_params["digest"]
         path = self.artifacts.path(digest)
-        if _role(request) == auth.WORKER:
+        if role_of(request) == auth.WORKER:
             worker_id = request.header(b"x-gpulayer-worker") or ""
             self._check_owner(request, worker_id)
             if not self.plane.may_fetch(worker_id, digest, self.artifacts):
@@ -537,7 +348,7 @@ class Api:
     def _check_owner(self, request: Request, worker_id: str) -> None:
         """A worker token may act only for a worker it registered, or one no
         token is bound to (registered while the server ran without auth)."""
-        caller = _caller_of(request)
+        caller = caller_of(request)
         role, digest = caller.role, caller.digest
         if role != auth.WORKER:
             return  # admins (and servers without auth) act for any worker
@@ -564,8 +375,8 @@ class Api:
             )
 
     async def register(self, request: Request) -> Response:
-        body = await _body(request, RegisterRequest, _SMALL_REPORT_MAX)
-        caller, token = request.scope[_CALLER]
+        body = await read_body(request, RegisterRequest, SMALL_REPORT_MAX)
+        caller, token = request.scope[CALLER]
         digest, expires = caller.digest, caller.expires
         if (
             self.auth_enabled
@@ -585,23 +396,23 @@ class Api:
         # worker a client started) is not for any worker token to act for.
         if digest is not None:
             self._owners[info.id] = digest
-        response = _json(info, 201)
-        response.headers[_GENERATION] = str(self.plane.generation(info.id))
+        response = json_response(info, 201)
+        response.headers[GENERATION] = str(self.plane.generation(info.id))
         return response
 
     async def unregister(self, request: Request) -> Response:
         worker_id = request.path_params["worker_id"]
         self._check_owner(request, worker_id)
-        died = _query_int(request, "died", 0, high=1)
+        died = query_int(request, "died", 0, high=1)
         reason = WORKER_DIED if died else WORKER_STOPPED
-        generation = _query_generation(request)  # a late goodbye to an earlier one does nothing
+        generation = query_generation(request)  # a late goodbye to an earlier one does nothing
         gone = self.plane.unregister_worker(worker_id, reason, said=True, generation=generation)
         if gone or generation is None:
             self._owners.pop(worker_id, None)  # its row, binding and all
         return Response(status=204)
 
     async def heartbeat(self, request: Request) -> Response:
-        beat = await _body(request, HeartbeatRequest, _SMALL_REPORT_MAX)
+        beat = await read_body(request, HeartbeatRequest, SMALL_REPORT_MAX)
         self._check_owner(request, request.path_params["worker_id"])
         self.plane.heartbeat(request.path_params["worker_id"], stopping=beat.stopping)
         return Response(status=204)
@@ -612,10 +423,10 @@ class Api:
         first one's number is in the ``X-GPUlayer-Seq`` header."""
         worker_id = request.path_params["worker_id"]
         self._check_owner(request, worker_id)
-        timeout = _poll_timeout(request, 30.0)
+        timeout = poll_timeout(request, 30.0)
         numbered = "ack" in request.query
-        ack: list[int | None] = [_query_int(request, "ack", 0) if numbered else None]
-        registration = _query_generation(request)
+        ack: list[int | None] = [query_int(request, "ack", 0) if numbered else None]
+        registration = query_generation(request)
         opened: list[tuple[Delivery, bool, int]] = []
 
         def subscribe(callback: Callable[[], None]) -> Unsubscribe | None:
@@ -650,21 +461,21 @@ class Api:
     def _deliver(self, delivery: Delivery, generation: int | None) -> Response:
         """The reply: numbered (``generation`` given) or not."""
         self.metrics.observe_dispatch(delivery.items[delivery.resent :], time.time())
-        response = _json(delivery.items)
+        response = json_response(delivery.items)
         if generation is not None:
-            response.headers[_SEQ] = str(delivery.first)
-            response.headers[_GENERATION] = str(generation)
+            response.headers[SEQ] = str(delivery.first)
+            response.headers[GENERATION] = str(generation)
         return response
 
     async def task_started(self, request: Request) -> Response:
-        report = await _body(request, TaskStarted, _SMALL_REPORT_MAX)
+        report = await read_body(request, TaskStarted, SMALL_REPORT_MAX)
         self._check_owner(request, report.worker_id)
         self.plane.task_started(report)
         return Response(status=204)
 
     async def task_logs(self, request: Request) -> Response:
-        batch = await _body(request, LogBatch, _LOGS_MAX)
-        if _role(request) == auth.WORKER:
+        batch = await read_body(request, LogBatch, LOGS_MAX)
+        if role_of(request) == auth.WORKER:
             self._check_runner(request, batch)
         self.plane.append_logs(batch.job_id, batch.attempt, batch.lines, batch.node)
         return Response(status=204)
@@ -674,7 +485,7 @@ class Api:
         that worker was registered with it: not to one a worker ran before
         another token took its id over, nor one of a worker registered
         without auth."""
-        digest = _caller_of(request).digest
+        digest = caller_of(request).digest
         running_on = self.plane.running_on(batch.job_id, batch.attempt, batch.node)
         if running_on is not None and self._owners.get(running_on) == digest:
             return  # the usual case, answered from memory
@@ -692,7 +503,7 @@ class Api:
             )
 
     async def task_rendezvous(self, request: Request) -> Response:
-        report = await _body(request, RendezvousReport, _SMALL_REPORT_MAX)
+        report = await read_body(request, RendezvousReport, SMALL_REPORT_MAX)
         self._check_owner(request, report.worker_id)
         self.plane.task_rendezvous(
             report.job_id, report.attempt, report.worker_id, report.master_port
@@ -706,11 +517,11 @@ class Api:
         jobs, the next task comes with the answer to this report instead of
         in a long poll reply of its own.
         """
-        result = await _body(request, TaskResult, _REPORT_MAX, _RESULT_ADVICE)
+        result = await read_body(request, TaskResult, REPORT_MAX, RESULT_ADVICE)
         self._check_owner(request, result.worker_id)
-        take = _query_int(request, "take", 0, high=1)
-        ack = _query_int(request, "ack", 0) if "ack" in request.query else None
-        registration = _query_generation(request)
+        take = query_int(request, "take", 0, high=1)
+        ack = query_int(request, "ack", 0) if "ack" in request.query else None
+        registration = query_generation(request)
         delivery = None
         if take:
             # From an earlier registration of the worker: its numbers mean
@@ -721,13 +532,13 @@ class Api:
         # The waiting client's reply (and a next task's) go before this one.
         await asyncio.sleep(0)
         if not take:
-            return _json([])
+            return json_response([])
         return self._deliver(delivery or Delivery(0, []), registration or 0)
 
     # ---- admin and operations ----
 
     async def create_token(self, request: Request) -> Response:
-        body = await _body(request, TokenRequest)
+        body = await read_body(request, TokenRequest)
         try:
             auth.check_user(body.role, body.user)
         except GPUlayerError as exc:
@@ -737,10 +548,10 @@ class Api:
             self.plane.store, body.role, body.name, user=body.user, expires=expires
         )
         reply = TokenResponse(token=token, role=body.role, expires=expires, user=body.user)
-        return _json(reply, 201)
+        return json_response(reply, 201)
 
     async def list_tokens(self, request: Request) -> Response:
-        return _json(auth.list_tokens(self.plane.store))
+        return json_response(auth.list_tokens(self.plane.store))
 
     async def revoke_token(self, request: Request) -> Response:
         token_id = request.path_params["token_id"]
@@ -798,7 +609,7 @@ class Api:
                 log.warning("worker %s (%s) stays until it is reaped", worker_id, reason)
 
     async def health(self, request: Request) -> Response:
-        return _json({"ok": True})
+        return json_response({"ok": True})
 
     async def metrics_text(self, request: Request) -> Response:
         body, content_type = self.metrics.render()
@@ -807,7 +618,7 @@ class Api:
     async def openapi(self, request: Request) -> Response:
         from .openapi import document
 
-        return _json(document())
+        return json_response(document())
 
 
 def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: bool = True) -> App:

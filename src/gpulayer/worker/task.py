@@ -48,6 +48,7 @@ from ..jobs import LogLine, Outcome, RunTask, TaskResult, TaskStarted
 from ..outputs import OutputLimitError
 from ..spec import ArtifactRef
 from ..transport import Transport
+from .collect import collect_outputs
 from .containment import Box, Containment, TreeBox
 from .gpus import Vendor, visible_devices_env
 from .launch import (
@@ -62,7 +63,7 @@ from .launch import (
 from .logs import LogSender, TaskLog
 from .process import RunAs, terminate_tree
 from .watch import watch_all
-from .workspace import collect_outputs, prepare
+from .workspace import prepare
 
 log = logging.getLogger(__name__)
 
