@@ -639,9 +639,11 @@ def worker() -> None:
 )
 @click.option(
     "--run-as",
-    metavar="USER",
+    metavar="USER[,USER...]",
     help="Run jobs as this Unix user, not the worker's (the worker must run as root): "
-    "they cannot read the worker's memory, token or files, nor write its cache.",
+    "they cannot read the worker's memory, token or files, nor write its cache. "
+    "A comma-separated list names one user per slot, so that jobs running at the same "
+    "time never share a user (nor can read each other's environment or files).",
 )
 @click.pass_context
 def worker_start(
@@ -683,8 +685,6 @@ def worker_start(
             "--token or --token-file before `worker`"
         )
     token = read_token_file(token_file) if token_file is not None else ctx.obj["token"]
-    if run_as is not None:
-        RunAs.lookup(run_as)  # a worker that cannot, says so before it claims anything
     try:
         max_output_bytes = (
             defaults.MAX_OUTPUT_BYTES if max_output is None else parse_size(max_output)
@@ -695,6 +695,8 @@ def worker_start(
         gpus = select_gpus(detect_gpus() if gpu_choice != "none" else [], gpu_choice)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--gpus") from None
+    if run_as is not None:  # a worker that cannot, says so before it claims anything
+        RunAs.for_slots(run_as, len(gpus) if gpus else (slots or 1))
     # Those another worker on this machine offers are left to it (all, or a
     # vendor's); GPUs named one by one are claimed all, or refused.
     claim = claim_gpus(gpus, all_of_them=gpu_choice.strip().lower() not in ("all", "nvidia", "amd"))

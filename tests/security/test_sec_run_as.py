@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -416,3 +417,148 @@ def test_a_job_reaches_its_inputs_under_the_strictest_umask(server: object, plac
         )
         assert job.wait(timeout=120) == "succeeded", job.info.reason
         assert job.logs().strip().splitlines()[-1] == "reached"
+
+
+def _second_user() -> tuple[str, int]:
+    """A user of this machine's besides nobody, to give a second slot: an
+    existing unprivileged system one (no user is made for the test), of a
+    uid and primary group of its own."""
+    import pwd
+
+    for name in ("daemon", "bin", "sys", "www-data"):
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            continue
+        if pw.pw_uid not in (0, NOBODY) and pw.pw_gid not in (0, NOBODY):
+            return name, pw.pw_uid
+    pytest.skip("needs a second unprivileged user besides nobody (daemon, bin, sys, www-data)")
+
+
+# Job A: holds a secret in its environment and a file in its workspace, says
+# where it is, and runs until job B is done looking (or its deadline).
+HOLD = r"""
+import json, os, sys, time
+rendezvous = sys.argv[1]
+open("private.txt", "w").write(os.environ["A_SECRET"])
+said = {"pid": os.getpid(), "cwd": os.getcwd(), "uid": os.getuid()}
+with open(os.path.join(rendezvous, "a.tmp"), "w") as f:
+    f.write(json.dumps(said))
+os.rename(os.path.join(rendezvous, "a.tmp"), os.path.join(rendezvous, "a.json"))
+deadline = time.monotonic() + 90
+while not os.path.exists(os.path.join(rendezvous, "b.done")):
+    if time.monotonic() > deadline:
+        sys.exit("job B never said it was done")
+    time.sleep(0.05)
+print(json.dumps(said))
+"""
+
+# Job B, at the same time, on the other slot: everything of A's it could reach.
+PEEK = r"""
+import json, os, signal, sys
+rendezvous, secret = sys.argv[1:3]
+a = json.load(open(os.path.join(rendezvous, "a.json")))
+pid, cwd = a["pid"], a["cwd"]
+tried = {}
+
+def attempt(name, act):
+    try:
+        got = act()
+        tried[name] = "LEAKED" if secret.encode() in repr(got).encode() else f"DONE: {got!r}"[:300]
+    except OSError as exc:
+        tried[name] = f"refused: {exc.strerror}"
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+attempt("read A's /proc environ", lambda: read(f"/proc/{pid}/environ"))
+attempt("read A's memory", lambda: read(f"/proc/{pid}/mem"))
+attempt("find A's workspace by /proc", lambda: os.readlink(f"/proc/{pid}/cwd"))
+attempt("list A's workspace by /proc", lambda: os.listdir(f"/proc/{pid}/cwd"))
+attempt("list A's workspace", lambda: os.listdir(cwd))
+attempt("read A's workspace file", lambda: read(os.path.join(cwd, "private.txt")))
+attempt("write in A's workspace", lambda: open(os.path.join(cwd, "planted"), "w").write("x"))
+attempt("signal A", lambda: os.kill(pid, signal.SIGCONT))
+report = {"uid": os.getuid(), "a_alive": os.path.exists(f"/proc/{pid}"), "tried": tried}
+open(os.path.join(rendezvous, "b.done"), "w").close()
+print(json.dumps(report))
+"""
+
+
+def test_jobs_running_at_once_on_two_slots_never_share_a_user(server: object, place: Path) -> None:
+    """Under ``--run-as USER`` every slot's jobs ran as the one user: job B,
+    running beside job A, read A's secrets from /proc/<pid>/environ and A's
+    workspace. With one user per slot (``--run-as nobody,daemon``), B runs
+    as the other one, while A still runs, and is refused every one."""
+    from server.conftest import ServerProc
+
+    assert isinstance(server, ServerProc)
+    other, other_uid = _second_user()
+    home = place / "worker-home-slots"
+    home.mkdir()
+    home.chmod(0o711)
+    _worker(server, home, "--slots", "2", "--run-as", f"nobody,{other}")
+    rendezvous = place / "rendezvous"
+    rendezvous.mkdir()
+    rendezvous.chmod(0o1777)  # both jobs' users write here, neither the other's files
+    secret = f"A-SECRET-{os.urandom(8).hex()}"
+    with server.client() as client:
+        a = client.submit(
+            command=[SYSTEM_PYTHON, "-c", HOLD, str(rendezvous)], secrets={"A_SECRET": secret}
+        )
+        said = rendezvous / "a.json"
+        deadline = time.monotonic() + 120
+        while not said.exists():  # A runs, and says where
+            assert a.info.state not in ("failed", "succeeded", "cancelled"), a.info.reason
+            assert time.monotonic() < deadline, "job A never started"
+            time.sleep(0.05)
+            a.refresh()
+        b = client.submit(command=[SYSTEM_PYTHON, "-c", PEEK, str(rendezvous), secret])
+        assert b.wait(timeout=120) == "succeeded", b.info.reason
+        report = json.loads(b.logs().strip().splitlines()[-1])
+        assert a.wait(timeout=120) == "succeeded", a.info.reason
+        held = json.loads(a.logs().strip().splitlines()[-1])
+    assert report["a_alive"], "job B did not run while job A did"
+    assert {held["uid"], report["uid"]} == {NOBODY, other_uid}, (held, report)
+    assert len(report["tried"]) == 8, report["tried"]
+    for name, got in report["tried"].items():
+        assert got.startswith("refused"), f"a job beside another could {name}: {got}"
+    assert not os.path.exists(os.path.join(held["cwd"], "planted"))
+
+
+@pytest.mark.parametrize(
+    ("users", "said"),
+    [
+        ("nobody,{other},nobody", "3 users for a worker of 2 slots"),
+        ("nobody,65534", "nobody and 65534 are the same user"),
+        ("nobody,root", "that is root"),
+        ("nobody,no-such-user-here", "no-such-user-here: there is no such Unix user"),
+        ("nobody,", "a user name is empty"),
+    ],
+)
+def test_a_list_of_run_as_users_that_does_not_fit_the_slots_is_refused_at_start(
+    place: Path, users: str, said: str
+) -> None:
+    """Refused before the worker claims or makes anything, in words naming
+    what is wrong (both numbers, or the user)."""
+    other, _ = _second_user()
+    users = users.format(other=other)
+    home = place / f"refused-list-{hashlib.sha256(users.encode()).hexdigest()[:8]}"
+    home.mkdir()
+    home.chmod(0o777)
+    argv = [SYSTEM_PYTHON, "-m", "gpulayer.cli", "--home", str(home)]
+    argv += ["--server", "http://127.0.0.1:9", "worker", "start", "--gpus", "none"]
+    argv += ["--slots", "2", "--run-as", users]
+    done = subprocess.run(
+        argv,
+        env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": _src_path(), "HOME": str(home)},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert said in done.stderr, done.stderr
+    assert "--run-as" in done.stderr
+    assert sorted(os.listdir(home)) == [], "a refused worker made something"

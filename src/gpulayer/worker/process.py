@@ -98,6 +98,34 @@ class RunAs:
         groups = tuple(os.getgrouplist(pw.pw_name, pw.pw_gid))
         return cls(pw.pw_name, pw.pw_uid, pw.pw_gid, groups, pw.pw_dir)
 
+    @classmethod
+    def for_slots(cls, users: str, slots: int) -> tuple[RunAs, ...]:
+        """The user of each of a worker's ``slots`` slots, from ``--run-as``:
+        one user for all of them, or a comma-separated list of one per slot,
+        so that jobs running at the same time never share a uid (a job can
+        read the environment and files of another of its uid). WorkerError,
+        naming what is wrong, if the worker cannot."""
+        names = [name.strip() for name in users.split(",")]
+        if not all(names):
+            raise WorkerError(f"--run-as {users}: a user name is empty; separate names by commas")
+        if len(names) == 1:
+            return (cls.lookup(names[0]),) * slots
+        if len(names) != slots:
+            raise WorkerError(
+                f"--run-as {users}: {len(names)} users for a worker of {slots} slots; name "
+                f"one user per slot ({slots}), or a single user for all of them"
+            )
+        found = [cls.lookup(name) for name in names]
+        seen: dict[int, str] = {}
+        for name, user in zip(names, found, strict=True):
+            if user.uid in seen:
+                raise WorkerError(
+                    f"--run-as {users}: {seen[user.uid]} and {name} are the same user "
+                    f"(uid {user.uid}); each slot needs a user of its own"
+                )
+            seen[user.uid] = name
+        return tuple(found)
+
     def env(self) -> dict[bytes, bytes]:
         """Who the job is, as its environment says (the worker's says root)."""
         return {

@@ -95,7 +95,9 @@ class Worker:
     ) -> None:
         """``containment``: how it keeps every process a task starts
         (``GPULAYER_CONTAINMENT`` if None; see ``containment.py``).
-        ``run_as``: the Unix user its jobs run as (the worker must be root)."""
+        ``run_as``: the Unix user its jobs run as (the worker must be root),
+        or a comma-separated list of one per slot, each slot's jobs run as
+        its own (see ``RunAs.for_slots``)."""
         if slots is not None and slots < 1:
             raise WorkerError(f"a worker needs at least one slot, got slots={slots}")
         if max_output_bytes < 1:
@@ -103,7 +105,6 @@ class Worker:
                 f"a job's outputs need a limit of at least 1 byte, got {max_output_bytes}"
             )
         self.max_output_bytes = max_output_bytes
-        self.run_as = None if run_as is None else _run_as(run_as, work_dir, cache)
         self.transport = transport
         self.cache = cache
         self.work_dir = work_dir
@@ -121,6 +122,8 @@ class Worker:
         slot_gpus: list[int | None] = (
             [g.index for g in self.gpus] if self.gpus else [None] * (slots or 1)
         )
+        # The user of each slot, by slot index; a job runs as its first slot's.
+        self.run_as = None if run_as is None else _run_as(run_as, work_dir, cache, len(slot_gpus))
         self.info = WorkerInfo(
             id="",
             name=name or f"{socket.gethostname()}-{os.getpid()}",
@@ -537,7 +540,7 @@ class Worker:
     def _spare(self) -> Path:
         """A new task folder, with its empty workspace (see make_spare).
 
-        Under --run-as every job runs as the same user, and each must reach
+        Under --run-as jobs may run as the same user, and each must reach
         its own folder only: the folders of the tasks cannot be listed
         (``_THROUGH_ONLY``), and each is named with a random part, which no
         other job can guess. Its workspace is the job's alone once given to
@@ -550,6 +553,16 @@ class Worker:
         spare.chmod(_THROUGH_ONLY)
         (spare / "workspace").chmod(0o700)
         return spare
+
+    def _user_of(self, task: RunTask) -> RunAs | None:
+        """The user ``task`` runs as under --run-as: its first slot's. The
+        server places a task on slots no other running task holds, so with
+        one user per slot no two jobs running at once share a uid (it places
+        only on the slots the worker offered: any other is taken as slot 0)."""
+        if self.run_as is None:
+            return None
+        first = min(task.slots, default=0)
+        return self.run_as[first if 0 <= first < len(self.run_as) else 0]
 
     def _start_task(self, task: RunTask, acquired: float) -> None:
         if self._stopping.is_set():  # placed as we stopped: hand it back, unrun
@@ -591,7 +604,7 @@ class Worker:
             defer_started=defaults.REPORT_STARTED_AFTER_S if self.heartbeat_interval else None,
             max_output_bytes=self.max_output_bytes,
             containment=self._containment,
-            run_as=self.run_as,
+            run_as=self._user_of(task),
         )
         with self._tasks_lock:
             self._tasks[run.key] = run
@@ -712,15 +725,16 @@ class Worker:
         return all_ended
 
 
-def _run_as(user: str, work_dir: Path, cache: ArtifactStore) -> RunAs:
-    """The user jobs run as, once it is known they can: WorkerError if not.
+def _run_as(user: str, work_dir: Path, cache: ArtifactStore, slots: int = 1) -> tuple[RunAs, ...]:
+    """The user of each of the ``slots`` slots (``--run-as``, one user or
+    one per slot), once it is known their jobs can run: WorkerError if not.
 
     Its jobs go down through the worker's folders to their own, and may
     list or read nothing else of the worker's: the folder of the workers'
     task folders lets them through only, and the cache and the ledger
     (``live/``) are the worker's alone. Each mode is set, not left to the
     umask."""
-    run_as = RunAs.lookup(user)
+    users = RunAs.for_slots(user, slots)
     if work_dir.resolve().is_relative_to(cache.root.resolve()):
         raise WorkerError(
             f"--run-as {user}: the cache {cache.root} holds the workers' folder {work_dir}; "
@@ -732,18 +746,20 @@ def _run_as(user: str, work_dir: Path, cache: ArtifactStore) -> RunAs:
     work_dir.mkdir(exist_ok=True)
     work_dir.chmod(_THROUGH_ONLY)
     cache.close_to_others()
-    blocked = run_as.can_reach(work_dir)
-    if blocked is not None:
-        raise WorkerError(
-            f"--run-as {user}: its jobs could not reach their folders in {work_dir}: "
-            f"{blocked} does not let {run_as.name} through; use a home it can go down to "
-            "(folders of mode 0711 or 0755 above it)"
-        )
-    if run_as.can_reach(Path(sys.executable).parent) is not None:
-        log.warning(
-            "--run-as %s: it cannot reach this worker's Python (%s), which runs script jobs; "
-            "command jobs naming another interpreter still run",
-            user,
-            sys.executable,
-        )
-    return run_as
+    for run_as in dict.fromkeys(users):
+        blocked = run_as.can_reach(work_dir)
+        if blocked is not None:
+            raise WorkerError(
+                f"--run-as {user}: its jobs could not reach their folders in {work_dir}: "
+                f"{blocked} does not let {run_as.name} through; use a home it can go down to "
+                "(folders of mode 0711 or 0755 above it)"
+            )
+        if run_as.can_reach(Path(sys.executable).parent) is not None:
+            log.warning(
+                "--run-as %s: %s cannot reach this worker's Python (%s), which runs script "
+                "jobs; command jobs naming another interpreter still run",
+                user,
+                run_as.name,
+                sys.executable,
+            )
+    return users
