@@ -93,19 +93,21 @@ def test_bad_input_gets_a_clear_error(
 
 def test_show_says_which_attempts_were_given_back(home: Path) -> None:
     from gpulayer.home import Home
+    from gpulayer.ids import new_id
     from gpulayer.jobs import JobInfo
     from gpulayer.spec import JobSpec
     from gpulayer.store.sqlite import SqliteStore
 
+    job_id = new_id()  # a client refuses a record whose id GPUlayer did not make
     store = SqliteStore(Home(home).db)
     with store.transaction() as tx:
         job = JobInfo(
-            id="j1", spec=JobSpec(command=["true"], nodes=2), seq=1, marks={"submitted": 1.0}
+            id=job_id, spec=JobSpec(command=["true"], nodes=2), seq=1, marks={"submitted": 1.0}
         )
         tx.insert_job(job)
-        tx.requeue("j1", reason=None, owner="gone", attempt=1, given_back=1)
+        tx.requeue(job_id, reason=None, owner="gone", attempt=1, given_back=1)
     store.close()
-    shown = gl("show", "j1", home=home)
+    shown = gl("show", job_id, home=home)
     assert "1 (1 given back unrun, not counted)" in shown.stdout, shown.stderr
 
 

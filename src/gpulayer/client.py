@@ -484,8 +484,8 @@ class Job:
         # a hostile or broken server ("/home/you", "../..") must go no further.
         if not is_job_id(info.id):
             raise TransportError(
-                f"the server answered with {shorten(info.id)!r} as a job id, which is not "
-                "one GPUlayer makes; nothing was written"
+                f"the control plane answered with {shorten(info.id)!r} as a job id, which is "
+                "not one GPUlayer makes (a broken or hostile server?); nothing was done with it"
             )
         self.id = info.id
         self.info = info
