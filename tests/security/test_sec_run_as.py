@@ -562,3 +562,196 @@ def test_a_list_of_run_as_users_that_does_not_fit_the_slots_is_refused_at_start(
     assert said in done.stderr, done.stderr
     assert "--run-as" in done.stderr
     assert sorted(os.listdir(home)) == [], "a refused worker made something"
+
+
+# Slow to stop (SIGTERM ignored): given up by the server, it runs on for the
+# worker's kill grace; it records its pid, then waits to be killed.
+_SLOW = r"""
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(sys.argv[1] + "/x.pid.tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(sys.argv[1] + "/x.pid.tmp", sys.argv[1] + "/x.pid")
+time.sleep(120)
+"""
+# The next job of the same slot: is the one before it still alive as it starts?
+_NEXT = r"""
+import json, os, sys
+pid = int(open(sys.argv[1] + "/x.pid").read())
+try:
+    os.kill(pid, 0)
+    alive = True
+except ProcessLookupError:
+    alive = False
+except PermissionError:  # alive, as another user
+    alive = True
+print(json.dumps({"uid": os.getuid(), "before_alive": alive}))
+"""
+
+
+def test_a_slots_next_job_waits_until_the_last_one_of_its_user_is_gone(place: Path) -> None:
+    """A worker declared lost comes back naming its task X: the server gives
+    X up and places the next job Y on X's slot in the same answer. X (slow to
+    stop) and Y ran at the same time as that slot's user, and X read Y's
+    environment (found by a reviewer). Y now starts once X is gone."""
+    import threading
+    import time
+
+    from gpulayer.embedded import Embedded
+    from gpulayer.spec import parse_spec
+    from gpulayer.transport.inprocess import InProcessTransport
+    from gpulayer.worker.worker import Worker
+
+    second, _ = _second_user()
+    root = place / "slot-race"
+    root.mkdir()
+    root.chmod(0o711)
+    meet = root / "meet"
+    meet.mkdir()
+    meet.chmod(0o1777)
+
+    class Quiet(InProcessTransport):  # the worker's own long poll takes nothing
+        def __init__(self, embedded: Embedded) -> None:
+            super().__init__(embedded.plane, embedded.artifacts)
+            self.closed = threading.Event()
+
+        def acquire(self, worker_id: str, timeout: float) -> list[object]:  # type: ignore[override]
+            self.closed.wait(timeout)
+            return []
+
+    embedded = Embedded(root / "home")
+    transport = Quiet(embedded)
+    worker = Worker(
+        transport,
+        cache=embedded.artifacts,
+        work_dir=root / "w",
+        slots=2,
+        run_as=f"nobody,{second}",
+        kill_grace=0.5,
+    )
+    try:
+        worker.start()
+        x = transport.submit(parse_spec({"command": [SYSTEM_PYTHON, "-c", _SLOW, str(meet)]}))
+        (task,) = embedded.plane.take_instructions(worker.id)
+        worker._handle([task])
+        deadline = time.monotonic() + 60
+        while not (meet / "x.pid").exists():
+            assert time.monotonic() < deadline, "X never started"
+            time.sleep(0.02)  # polled, with a deadline: X's start is another process's
+        embedded.plane.unregister_worker(worker.id, reason="stopped heartbeating")
+        y = transport.submit(parse_spec({"command": [SYSTEM_PYTHON, "-c", _NEXT, str(meet)]}))
+        embedded.plane.register_worker(worker.info, [(x.id, 1)])
+        answer = embedded.plane.take_instructions(worker.id)
+        assert [type(i).__name__ for i in answer] == ["CancelTask", "RunTask"]
+        assert answer[1].slots == task.slots  # the same slot, and so the same user
+        worker._handle(answer)
+        done = embedded.plane.wait(y.id, timeout=60)
+        assert done.state == "succeeded", done.reason
+        seen = json.loads(embedded.plane.read_logs(y.id, (0, 0), 0).lines[-1].text)
+        assert seen == {"uid": NOBODY, "before_alive": False}
+    finally:
+        transport.closed.set()
+        worker.stop(timeout=30)
+        embedded.close()
+
+
+def test_a_task_on_a_slot_the_worker_does_not_offer_never_runs(place: Path) -> None:
+    """Such a task (a hostile or broken server's) ran as slot 0's user."""
+    from gpulayer.embedded import Embedded
+    from gpulayer.jobs import RunTask
+    from gpulayer.spec import parse_spec
+    from gpulayer.transport.inprocess import InProcessTransport
+    from gpulayer.worker.worker import Worker
+
+    second, _ = _second_user()
+    root = place / "bad-slots"
+    root.mkdir()
+    root.chmod(0o711)
+    embedded = Embedded(root / "home")
+    worker = Worker(
+        InProcessTransport(embedded.plane, embedded.artifacts),
+        cache=embedded.artifacts,
+        work_dir=root / "w",
+        slots=2,
+        run_as=f"nobody,{second}",
+    )
+    try:
+        spec = parse_spec({"command": ["true"]})
+        for slots in ([5], [-1], []):
+            task = RunTask(job_id="j", attempt=1, spec=spec, slots=slots, gpus=[])
+            assert worker._user_of(task) is None
+    finally:
+        embedded.close()
+
+
+def _as(uid: int) -> list[str]:
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+
+
+_SHOW_INPUTS = r"""
+import os, sys, time
+with open(sys.argv[1] + "/inputs.tmp", "w") as f:
+    f.write(os.environ["GPULAYER_INPUTS"])
+os.rename(sys.argv[1] + "/inputs.tmp", sys.argv[1] + "/inputs")
+print(open(os.environ["GPULAYER_INPUTS"] + "/data").read())
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[1] + "/done") and time.monotonic() < deadline:
+    time.sleep(0.02)
+"""
+
+
+def test_another_slots_user_cannot_go_through_a_jobs_inputs(place: Path) -> None:
+    """A task's inputs/ was 0755: a job of another slot's user that learnt
+    its path (any command line naming an input shows it in `ps`) read its
+    inputs, hard-linked blobs included (found by a reviewer)."""
+    import time
+
+    from gpulayer.embedded import Embedded
+    from gpulayer.spec import parse_spec
+    from gpulayer.transport.inprocess import InProcessTransport
+    from gpulayer.worker.worker import Worker
+
+    second, second_uid = _second_user()
+    root = place / "inputs-reach"
+    root.mkdir()
+    root.chmod(0o711)
+    meet = root / "meet"
+    meet.mkdir()
+    meet.chmod(0o1777)
+    data = root / "data.txt"
+    data.write_text("A-PRIVATE-INPUT")
+    embedded = Embedded(root / "home")
+    transport = InProcessTransport(embedded.plane, embedded.artifacts)
+    worker = Worker(
+        transport, cache=embedded.artifacts, work_dir=root / "w", slots=2, run_as=f"nobody,{second}"
+    )
+    try:
+        worker.start()
+        digest = embedded.artifacts.put_file(data)
+        spec = parse_spec(
+            {
+                "command": [SYSTEM_PYTHON, "-c", _SHOW_INPUTS, str(meet)],
+                "inputs": {"data": {"kind": "file", "digest": digest, "size": data.stat().st_size}},
+            }
+        )
+        job = transport.submit(spec)
+        deadline = time.monotonic() + 60
+        while not (meet / "inputs").exists():
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.02)  # polled, with a deadline: the job is another process
+        inputs = (meet / "inputs").read_text()
+        probe = "import os, sys\ntry:\n    print(os.listdir(sys.argv[1]))\nexcept OSError as e:\n    print(e.strerror)"
+        other = subprocess.run(
+            [*_as(second_uid), SYSTEM_PYTHON, "-c", probe, inputs],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        (meet / "done").write_text("")
+        assert other.stdout.strip() == "Permission denied", other.stdout + other.stderr
+        done = embedded.plane.wait(job.id, timeout=60)
+        assert done.state == "succeeded", done.reason
+        assert "A-PRIVATE-INPUT" in embedded.plane.read_logs(job.id, (0, 0), 0).lines[0].text
+    finally:
+        worker.stop(timeout=30)
+        embedded.close()

@@ -151,12 +151,19 @@ class RunAs:
             here = here / part
         return None
 
-    def give(self, workspace: Path, *folders: Path) -> None:
+    def give(self, workspace: Path, *folders: Path, inputs: Path | None = None) -> None:
         """Make a task's workspace the user's, once laid out, so the job can
         write there; and new ``folders`` for it (torchrun's logs). Not the
         task's folder, whose entries the worker reads and removes later, nor
         what is linked from the worker's cache (a file with more than one
-        link): those stay the worker's, the blobs read-only to the job."""
+        link): those stay the worker's, the blobs read-only to the job.
+
+        ``inputs`` (the task's inputs folder, the worker's) becomes the
+        user's alone to go through (0500): the job of another slot's user,
+        which can learn its path (from a command line in ``ps``), cannot."""
+        if inputs is not None:
+            os.chown(inputs, self.uid, self.gid, follow_symlinks=False)
+            os.chmod(inputs, 0o500, follow_symlinks=False)
         for folder in folders:
             folder.mkdir()
             os.chown(folder, self.uid, self.gid, follow_symlinks=False)

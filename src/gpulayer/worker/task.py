@@ -366,7 +366,12 @@ class TaskRun:
         self._cwd = ws.cwd
         if self.run_as is not None:
             torchrun = spec.distributed and spec.launcher == "torchrun"
-            self.run_as.give(ws.cwd, *([self.dir / "torchrun"] if torchrun else []))
+            inputs = self.dir / "inputs"
+            self.run_as.give(
+                ws.cwd,
+                *([self.dir / "torchrun"] if torchrun else []),
+                inputs=inputs if spec.inputs else None,
+            )
         argv = (
             [sys.executable, spec.script, *spec.args]
             if spec.script

@@ -41,7 +41,7 @@ from ..errors import (
     WorkerError,
 )
 from ..ids import new_id
-from ..jobs import CancelTask, Instruction, Rendezvous, RunTask, TaskResult, WorkerInfo
+from ..jobs import CancelTask, Instruction, Outcome, Rendezvous, RunTask, TaskResult, WorkerInfo
 from ..transport import Transport
 from .containment import Containment, acquire_containment, release_containment
 from .gpulocks import GpuClaim, claim_gpus
@@ -168,6 +168,10 @@ class Worker:
         self._registering = threading.RLock()
         # Cancels and master ports that came before their task (see _handle).
         self._early: dict[tuple[str, int], list[Instruction]] = {}
+        # With one --run-as user per slot: the uid each running task holds,
+        # and tasks waiting for a uid a task still holds (see _start_task).
+        self._uids: dict[tuple[str, int], int] = {}
+        self._held: dict[int, list[tuple[RunTask, float]]] = {}
         self._registered = False  # by start(), which may yet fail after it
         self.tasks_dir: Path | None = None  # once registered: its tasks' folders
         self._stop_lock = threading.Lock()
@@ -555,27 +559,47 @@ class Worker:
         return spare
 
     def _user_of(self, task: RunTask) -> RunAs | None:
-        """The user ``task`` runs as under --run-as: its first slot's. The
-        server places a task on slots no other running task holds, so with
-        one user per slot no two jobs running at once share a uid (it places
-        only on the slots the worker offered: any other is taken as slot 0)."""
-        if self.run_as is None:
-            return None
-        first = min(task.slots, default=0)
-        return self.run_as[first if 0 <= first < len(self.run_as) else 0]
+        """The user ``task`` runs as under --run-as: its first slot's; None
+        if it names a slot this worker does not offer."""
+        assert self.run_as is not None
+        first = min(task.slots, default=-1)
+        return self.run_as[first] if 0 <= first < len(self.run_as) else None
+
+    def _end_unrun(self, task: RunTask, outcome: Outcome, error: str | None = None) -> None:
+        """Report ``task`` ended without running it."""
+        result = TaskResult(
+            job_id=task.job_id,
+            attempt=task.attempt,
+            worker_id=self.info.id,
+            outcome=outcome,
+            node=task.node,
+            error=error,
+        )
+        keep = None if self._ledger is None else functools.partial(self._ledger.keep, result)
+        self._outbox.send(lambda: self._finish(result), keep)
 
     def _start_task(self, task: RunTask, acquired: float) -> None:
         if self._stopping.is_set():  # placed as we stopped: hand it back, unrun
-            result = TaskResult(
-                job_id=task.job_id,
-                attempt=task.attempt,
-                worker_id=self.info.id,
-                outcome="returned",
-                node=task.node,
-            )
-            keep = None if self._ledger is None else functools.partial(self._ledger.keep, result)
-            self._outbox.send(lambda: self._finish(result), keep)
+            self._end_unrun(task, "returned")
             return
+        user = None
+        if self.run_as is not None:
+            user = self._user_of(task)
+            if user is None:  # a server's mistake, or a hostile one's
+                log.warning("task %s: placed on slots %s, not offered", task.job_id, task.slots)
+                self._end_unrun(
+                    task, "error", f"placed on slots {task.slots}, which this worker does not offer"
+                )
+                return
+            if len(set(self.run_as)) > 1:
+                # One user per slot: a task of the slot's last job may still be
+                # ending (cancelled as the server took its slot back, say): this
+                # one starts once it is gone, so no two running jobs share a uid.
+                with self._tasks_lock:
+                    if user.uid in self._uids.values():
+                        self._held.setdefault(user.uid, []).append((task, acquired))
+                        return
+                    self._uids[(task.job_id, task.attempt)] = user.uid
         if task.spec.secrets:
             # A job's environment is made from its spec's env (task.py): its
             # secrets (names checked apart from env's) join it here.
@@ -604,7 +628,7 @@ class Worker:
             defer_started=defaults.REPORT_STARTED_AFTER_S if self.heartbeat_interval else None,
             max_output_bytes=self.max_output_bytes,
             containment=self._containment,
-            run_as=self._user_of(task),
+            run_as=user,
         )
         with self._tasks_lock:
             self._tasks[run.key] = run
@@ -644,7 +668,14 @@ class Worker:
                 del self._tasks[run.key]
             if spare is not None:
                 self._spares.append(spare)
+            uid = self._uids.pop(run.key, None)
+            waiting = self._held.get(uid, []) if uid is not None else []
+            released = waiting.pop(0) if waiting else None
+            if uid is not None and not waiting:
+                self._held.pop(uid, None)
             self._idle.notify_all()
+        if released is not None:  # its processes are gone: the next job of its user starts
+            self._start_task(*released)
 
     def _release_containment(self) -> None:
         held, self._containment = self._containment, None
