@@ -277,6 +277,7 @@ def test_a_worker_does_not_register_again_while_a_report_is_still_on_its_way(
         assert calls == []
     finally:
         worker._outbox.stop()
+        worker._release_containment()  # never started: its cgroups go
         embedded.close()
 
 
@@ -327,6 +328,7 @@ def test_a_report_queued_just_after_the_outbox_was_through_still_holds_registrat
         assert calls == []
     finally:
         worker._outbox.stop()
+        worker._release_containment()  # never started: its cgroups go
         embedded.close()
 
 
@@ -340,6 +342,7 @@ def test_a_stopping_worker_does_not_register_again(home: Path) -> None:
         assert worker._reregister() is False
         assert embedded.plane.list_workers() == []
     finally:
+        worker._release_containment()  # never started: its cgroups go
         embedded.close()
 
 

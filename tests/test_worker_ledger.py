@@ -71,6 +71,7 @@ def test_a_task_that_outlives_the_stop_is_left_in_the_ledger(home: Path) -> None
         Ledger(work).recover(grace=0.2)
         assert pids_alive(pid) == []
     finally:
+        worker._release_containment()  # what the next worker's sweep would remove
         embedded.close()
 
 

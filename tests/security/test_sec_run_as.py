@@ -681,6 +681,7 @@ def test_a_task_on_a_slot_the_worker_does_not_offer_never_runs(place: Path) -> N
             task = RunTask(job_id="j", attempt=1, spec=spec, slots=slots, gpus=[])
             assert worker._user_of(task) is None
     finally:
+        worker.stop(timeout=30)  # never started: it lets go of its cgroups
         embedded.close()
 
 
