@@ -331,6 +331,23 @@ def test_a_script_job_run_as_nobody_writes_its_workspace_and_outputs(
         assert "out" in job.info.outputs
 
 
+def _refused_at_start(argv: list[str], home: Path, said: str) -> None:
+    """``argv`` (a worker start) exits saying ``said`` about --run-as, and
+    makes nothing in ``home``."""
+    done = subprocess.run(
+        argv,
+        env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": _src_path(), "HOME": str(home)},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert said in done.stderr, done.stderr
+    assert "--run-as" in done.stderr
+    assert sorted(os.listdir(home)) == [], "a refused worker made something"
+
+
 @pytest.mark.parametrize(
     ("user", "as_root", "said"),
     [
@@ -352,18 +369,7 @@ def test_a_worker_that_cannot_run_jobs_as_the_user_says_so_at_start(
         if shutil.which("setpriv") is None:
             pytest.skip("needs setpriv to start a worker as nobody")
         argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *argv]
-    done = subprocess.run(
-        argv,
-        env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": _src_path(), "HOME": str(home)},
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode != 0
-    assert said in done.stderr, done.stderr
-    assert "--run-as" in done.stderr
-    assert sorted(os.listdir(home)) == [], "a refused worker made something"
+    _refused_at_start(argv, home, said)
 
 
 def test_a_process_spawned_as_the_user_runs_as_it(tmp_path: Path) -> None:
@@ -550,18 +556,7 @@ def test_a_list_of_run_as_users_that_does_not_fit_the_slots_is_refused_at_start(
     argv = [SYSTEM_PYTHON, "-m", "gpulayer.cli", "--home", str(home)]
     argv += ["--server", "http://127.0.0.1:9", "worker", "start", "--gpus", "none"]
     argv += ["--slots", "2", "--run-as", users]
-    done = subprocess.run(
-        argv,
-        env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": _src_path(), "HOME": str(home)},
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode != 0
-    assert said in done.stderr, done.stderr
-    assert "--run-as" in done.stderr
-    assert sorted(os.listdir(home)) == [], "a refused worker made something"
+    _refused_at_start(argv, home, said)
 
 
 # Slow to stop (SIGTERM ignored): given up by the server, it runs on for the
