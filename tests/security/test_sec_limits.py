@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import gpulayer
+from gpulayer import defaults
 from gpulayer import spec as specs
 from gpulayer.errors import GPUlayerError, SpecError
 from gpulayer.http.server import Server, is_loopback
@@ -90,16 +91,37 @@ def test_an_oversize_spec_over_http_is_refused_and_nothing_stored(server: Server
     assert body["field"] == "name"
     assert "at most 256 characters" in body["error"]
     # Past the submit limit the body is not even read: no spec that long could pass.
-    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        head = (
-            "POST /api/v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {server.admin}\r\nContent-Length: {63 * MiB}\r\n\r\n"
-        )
-        sock.sendall(head.encode() + b'{"spec": {"name": "nnnn')
-        reply = sock.recv(4096)
-    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert _declared(server, "/api/v1/jobs", 63 * MiB).startswith(b"HTTP/1.1 413")
     status, listed, _ = request(server, "GET", "/api/v1/jobs")
     assert status == 200 and listed == []
+
+
+def _declared(server: ServerProc, path: str, length: int) -> bytes:
+    """The reply to a POST whose Content-Length says ``length``, of which only
+    a few bytes are sent: a body refused on its length is never read."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {server.admin}\r\nContent-Length: {length}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + b'{"id": "')
+        return sock.recv(4096)
+
+
+def test_a_wait_or_a_blob_list_past_its_limit_is_refused_unread(server: ServerProc) -> None:
+    """A 60 MiB wait (its `also` list) or list of digests took a server from
+    37 to 965 MiB before its item limit was checked (found by a reviewer)."""
+    for path in ("/api/v1/jobs/wait?timeout=0", "/api/v1/blobs/missing"):
+        reply = _declared(server, path, 60 * MiB)
+        assert reply.startswith(b"HTTP/1.1 413"), (path, reply[:200])
+    # Within the bytes, past the count: refused by name, nothing looked up.
+    too_many = {"digests": ["0" * 64] * (defaults.MISSING_BLOBS_PER_REQUEST + 1)}
+    status, body, _ = request(server, "POST", "/api/v1/blobs/missing", too_many)
+    assert status == 422 and "digests" in body["error"], body
+    status, body, _ = request(
+        server, "POST", "/api/v1/jobs/wait", {"id": "x", "also": ["x"] * 1001}
+    )
+    assert status == 422 and "also" in body["error"], body
 
 
 def test_a_month_long_timeout_runs_instead_of_failing_at_once(home: Path) -> None:
