@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sec_containment_kit import cgroups_possible
 from sec_python import nobody_pythonpath
 
 import gpulayer
@@ -95,19 +96,10 @@ while True:
 """
 
 
-def _cgroups_possible() -> bool:
-    try:
-        containment = acquire_containment("cgroup")
-    except WorkerError:
-        return False
-    release_containment(containment)
-    return True
-
-
 @pytest.fixture(params=["cgroup", "subreaper"])
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The containment the worker is forced to use (the variable a CI sets)."""
-    if request.param == "cgroup" and not _cgroups_possible():
+    if request.param == "cgroup" and not cgroups_possible():
         pytest.skip("no writable cgroup v2 hierarchy here")
     monkeypatch.setenv(defaults.CONTAINMENT_ENV, request.param)
     # A stray that ignores SIGTERM is killed this long after the job exits.
@@ -228,7 +220,7 @@ def test_a_workers_containment_is_listed_and_a_jobs_use_is_shown(
     from server.conftest import ServerProc
 
     assert isinstance(server, ServerProc)
-    cgroups = _cgroups_possible()
+    cgroups = cgroups_possible()
     monkeypatch.setenv(defaults.CONTAINMENT_ENV, "auto")
     server.start_worker(tmp_path / "w", name="boxed")
     burn = "import time\nx = b'\\x01' * (64 << 20)  # written: a bytearray's zero pages are not\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
@@ -257,7 +249,7 @@ def test_the_warden_of_a_killed_worker_ends_what_its_job_left(
     from server.conftest import ServerProc
 
     assert isinstance(server, ServerProc)
-    if not _cgroups_possible():
+    if not cgroups_possible():
         pytest.skip("the subreaper cannot tell a dead worker's setsid orphans from others")
     monkeypatch.setenv(defaults.CONTAINMENT_ENV, "cgroup")
     worker = server.start_worker(tmp_path / "w", name="doomed", kill_grace=0.5)
@@ -287,7 +279,7 @@ def test_what_a_worker_and_its_warden_left_is_ended_by_the_next_worker(
     from server.conftest import ServerProc
 
     assert isinstance(server, ServerProc)
-    if not _cgroups_possible():
+    if not cgroups_possible():
         pytest.skip("only cgroups keep a dead worker's setsid orphans findable")
     monkeypatch.setenv(defaults.CONTAINMENT_ENV, "cgroup")
     worker = server.start_worker(tmp_path / "w", name="doomed", kill_grace=0.5)
@@ -443,7 +435,7 @@ def test_a_pid_reused_after_the_sweep_listed_it_is_left_alone(
     here instead, naming a process of another session that was never in
     ``worker/`` and born after the task's start, as a reused pid's would
     be. It is neither moved nor signalled."""
-    if not _cgroups_possible():
+    if not cgroups_possible():
         pytest.skip("no writable cgroup v2 hierarchy here")
     from gpulayer.worker import cgroups
     from gpulayer.worker.process import spawn
@@ -474,7 +466,13 @@ def test_a_pid_reused_after_the_sweep_listed_it_is_left_alone(
                     containment.end_left(0.0)  # as a dead worker's warden would
                 else:
                     # Born after the task's start, as a reused pid is: since=0.
-                    containment.place(box, task.pid, 0)
+                    record = containment.begin(box)
+                    record.since = 0
+                    containment.started(record, task.pid)
+                    try:
+                        containment.place(record)
+                    finally:
+                        containment.finish(record)
             finally:
                 task.kill()
                 task.wait()
@@ -499,7 +497,7 @@ def test_where_the_kernel_has_no_cgroup_kill_each_process_is_killed_in_turn(
     """Before Linux 5.14 (no ``cgroup.kill``) a task's cgroup is ended one
     process at a time, each by a pidfd taken once it is known to be there:
     one that ignores SIGTERM still goes."""
-    if not _cgroups_possible():
+    if not cgroups_possible():
         pytest.skip("no writable cgroup v2 hierarchy here")
     from gpulayer.worker import cgroups
 

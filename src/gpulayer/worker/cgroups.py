@@ -13,7 +13,15 @@ cgroup just after it starts. Whatever it started before that move was born
 in ``worker/``, where nothing else of the worker's is outside the worker's
 session (each task starts a session of its own, and can never come back to
 the worker's): once it is moved, every such process born since its start is
-swept into the task's cgroup too, before the next task's process may start.
+swept into the task's cgroup too.
+
+Several tasks may start at once (one per slot): each sweep takes only what
+is its own task's. A stray is known by its session, or its parent, parent's
+parent and so on, reaching a task's process. One that is known by neither
+(a daemon that forked twice and left its session, all before its task's
+process was moved: a few milliseconds) is its task's if no other task was
+starting at the time, and is killed if one was: which task it came from
+cannot be told, and it may outlive neither.
 
 Ending a task: SIGTERM to each process in its cgroup, the grace period, then
 ``cgroup.kill``, waiting on ``cgroup.events`` for it to be empty. The
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -48,14 +57,15 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import WorkerError
 from .containment import (
     CGROUP,
-    SPAWN_LOCK,
     Box,
     Containment,
+    ProcStat,
     Unavailable,
     Usage,
     proc_stat,
@@ -75,6 +85,18 @@ _SWEEP_MOVE_ROUNDS = 10
 _RELEASE_WAIT_S = 1.0
 # Empty task cgroups kept for the next tasks.
 _POOL_MAX = 16
+# How far up its parents a stray is followed to find the task it came from.
+_PARENTS_MAX = 64
+
+
+@dataclass
+class Spawn:
+    """A task's process being started and placed in its box."""
+
+    box: CgroupBox
+    since: int  # clock ticks after boot, as /proc/<pid>/stat counts
+    pid: int | None = None  # once it is started
+    crowded: bool = False  # another spawn was in flight at some time of this one
 
 
 class CgroupContainment(Containment):
@@ -95,6 +117,9 @@ class CgroupContainment(Containment):
         self.v2_memory = "memory" in (root / "cgroup.subtree_control").read_text().split()
         self._numbers = itertools.count(1)
         self._lock = threading.Lock()
+        # The spawns in flight; notified as each learns its pid or ends.
+        self._spawning: list[Spawn] = []
+        self._spawns = threading.Condition(threading.Lock())
         # Empty task cgroups, each with its v1 memory one and its CPU time so far.
         self._free: list[tuple[Path, Path | None, float]] = []
 
@@ -155,7 +180,26 @@ class CgroupContainment(Containment):
         if box.memory is not None:
             _remove(box.memory)
 
-    def place(self, box: CgroupBox, pid: int, since: int) -> None:
+    def begin(self, box: CgroupBox) -> Spawn:
+        """A spawn into ``box`` begins: recorded before its process forks."""
+        with self._spawns:
+            record = Spawn(box, ticks_now(), crowded=bool(self._spawning))
+            for other in self._spawning:
+                other.crowded = True
+            self._spawning.append(record)
+        return record
+
+    def started(self, record: Spawn, pid: int) -> None:
+        with self._spawns:
+            record.pid = pid
+            self._spawns.notify_all()
+
+    def finish(self, record: Spawn) -> None:
+        with self._spawns:
+            self._spawning.remove(record)
+            self._spawns.notify_all()
+
+    def place(self, record: Spawn) -> None:
         """Move the task's new process into its box, then what it started
         before the move (see the module).
 
@@ -164,45 +208,86 @@ class CgroupContainment(Containment):
         since, its pid given to another process: each is acted on through a
         pidfd, once ``/proc`` says (read after the pidfd was taken) that the
         pid still names a process in ``worker/``, outside the worker's
-        session, born since the task's start, which only a process of the
-        task's can be (see the module). A kill goes through that pidfd. A
-        move can only name a pid (``cgroup.procs`` takes no pidfd): between
-        the check and the write, the stray would have to exit, be reaped and
-        its pid be given out again, which takes the kernel's allocator a
-        round of the whole pid space (it hands pids out in turn), not the
-        microseconds in between."""
+        session, born since the task's start, which only a process of a
+        task starting can be (see the module). A kill goes through that
+        pidfd. A move can only name a pid (``cgroup.procs`` takes no pidfd):
+        between the check and the write, the stray would have to exit, be
+        reaped and its pid be given out again, which takes the kernel's
+        allocator a round of the whole pid space (it hands pids out in
+        turn), not the microseconds in between."""
+        box, pid = record.box, record.pid
+        assert pid is not None, "placed before it was started"
         box.move(pid)
         me, session = os.getpid(), os.getsid(0)
         deadline = time.monotonic() + _SWEEP_TIMEOUT_S
         for rounds in itertools.count(1):
-            strays = []
-            for stray in _pids_here(self.spawner):
-                if stray == me:
-                    continue
+            listed = _pids_here(self.spawner)
+            # Read after the listing: a spawn begins before its process forks,
+            # so whichever made a process listed is known here, or has ended
+            # (its processes moved out of worker/ since: see _pidfd_of_member).
+            with self._spawns:
+                tasks = {s.pid: s for s in self._spawning if s.pid is not None}
+                pending = [s.since for s in self._spawning if s.pid is None]
+                crowded = record.crowded
+            late = time.monotonic() > deadline
+            take: list[int] = []
+            kill: list[int] = []
+            unsure = -1  # the latest start of a stray whose task may not be known yet
+            for stray in listed:
                 try:
-                    if os.getsid(stray) == session or proc_stat(stray).start < since:
-                        continue  # the worker's own (its warden), or older than the task
+                    st = proc_stat(stray)
                 except (ProcessLookupError, FileNotFoundError):
-                    continue
-                strays.append(stray)
-            if not strays:
+                    continue  # gone
+                if stray == me or st.session == session or st.start < record.since:
+                    continue  # the worker's own (its warden), or older than the task
+                owner = _owner_of(st, tasks)
+                if owner is record:
+                    (take if rounds <= _SWEEP_MOVE_ROUNDS else kill).append(stray)
+                elif owner is not None:
+                    continue  # another task's: its own sweep takes it
+                elif not late and any(since <= st.start for since in pending):
+                    unsure = max(unsure, st.start)  # perhaps of a task not known yet
+                elif crowded:
+                    kill.append(stray)
+                else:
+                    take.append(stray)
+            if not (take or kill) and unsure < 0:
                 return
-            for stray in strays:
-                fd = _pidfd_of_member(stray, self.spawner_path, session, since)
+            if kill and rounds <= _SWEEP_MOVE_ROUNDS:
+                log.warning(
+                    "killing %d process(es) that left their session before their task's "
+                    "process was in its cgroup, while other tasks started: whose they "
+                    "are cannot be told",
+                    len(kill),
+                )
+            for stray, act in [(p, "move") for p in take] + [(p, "kill") for p in kill]:
+                fd = _pidfd_of_member(stray, self.spawner_path, session, record.since)
                 if fd is None:
                     continue  # gone, or its pid is another process's now
                 try:
-                    if rounds <= _SWEEP_MOVE_ROUNDS:
+                    if act == "move":
                         box.move(stray)
-                    else:  # forking faster than it is moved: it does not run on
+                    else:  # forking faster than it is moved, or whose is unknown
                         _signal_pidfds([fd], signal.SIGKILL)
                 finally:
                     os.close(fd)
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline + _SWEEP_TIMEOUT_S:
                 raise WorkerError(
                     f"the processes a task started could not be kept in {box.path} within "
                     f"{_SWEEP_TIMEOUT_S:g} s"
                 )
+            if unsure >= 0 and not (take or kill):
+                # Until the tasks starting that could have made them are
+                # known (their process started); past the deadline, killed.
+                with self._spawns:
+                    self._spawns.wait_for(
+                        functools.partial(self._all_known_before, unsure),
+                        max(0.0, deadline - time.monotonic()) + 0.001,
+                    )
+
+    def _all_known_before(self, horizon: int) -> bool:
+        """Whether every spawn begun by ``horizon`` knows its process (under ``_spawns``)."""
+        return not any(s.pid is None and s.since <= horizon for s in self._spawning)
 
     def end_left(self, grace: float) -> int:
         """In the warden of a dead worker: end every task's cgroup at once,
@@ -317,11 +402,12 @@ class CgroupBox(Box):
         env: Mapping[bytes, bytes],
         run_as: RunAs | None = None,
     ) -> subprocess.Popen[bytes]:
-        with SPAWN_LOCK:
-            since = ticks_now()
+        record = self._owner.begin(self)
+        try:
             proc = spawn(argv, cwd=cwd, env=env, run_as=run_as)
+            self._owner.started(record, proc.pid)
             try:
-                self._owner.place(self, proc.pid, since)
+                self._owner.place(record)
             except BaseException:
                 kill_all(self.path, self.hierarchy_path, has_kill=self._owner.has_kill)
                 with contextlib.suppress(ProcessLookupError):
@@ -331,6 +417,8 @@ class CgroupBox(Box):
                     if pipe is not None:
                         pipe.close()
                 raise
+        finally:
+            self._owner.finish(record)
         return proc
 
     def signal_rest(self, sig: signal.Signals, skip_groups: frozenset[int] = frozenset()) -> None:
@@ -435,6 +523,25 @@ def _pidfd_of_member(
     except (OSError, ValueError):  # reaped meanwhile
         pass
     os.close(fd)
+    return None
+
+
+def _owner_of(stray: ProcStat, tasks: Mapping[int, Spawn]) -> Spawn | None:
+    """The spawn whose task process (``tasks``, by pid) a stray came from:
+    by its session, else by its parent, its parent's parent and so on; None
+    where they reach none (or one of them is gone meanwhile)."""
+    if stray.session in tasks:
+        return tasks[stray.session]
+    parent, me = stray.parent, os.getpid()
+    try:
+        for _ in range(_PARENTS_MAX):
+            if parent in tasks:
+                return tasks[parent]
+            if parent <= 1 or parent == me:
+                return None
+            parent = proc_stat(parent).parent
+    except (ProcessLookupError, FileNotFoundError, ValueError):
+        pass
     return None
 
 

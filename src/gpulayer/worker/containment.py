@@ -61,11 +61,6 @@ SUBREAPER = "subreaper"
 TREE = "process tree"
 MODES = ("auto", "cgroup", "subreaper")
 
-# A task's processes start one at a time in a worker process, whichever
-# worker object starts them: what one started before its move into its
-# cgroup must be swept there before another task's process can be born in
-# the same place (see cgroups.py).
-SPAWN_LOCK = threading.Lock()
 _PR_SET_CHILD_SUBREAPER = 36
 # How long a subreaper's close waits for its reaper thread to end (it ends
 # as soon as it is woken, unless it is in the middle of a reap).
