@@ -132,7 +132,7 @@ def test_a_stop_signal_wakes_the_worker_and_takes_no_lock() -> None:
     import signal
     import threading
 
-    from gpulayer.cli import _stop_on_signal, _StopRequest
+    from gpulayer.cli.worker import _stop_on_signal, _StopRequest
 
     stop = _StopRequest()
     handler = _stop_on_signal(stop, lambda: True)
@@ -156,7 +156,7 @@ def test_a_stop_signal_wakes_the_worker_and_takes_no_lock() -> None:
 def test_a_stop_signal_before_the_worker_serves_exits_at_once() -> None:
     import signal
 
-    from gpulayer.cli import _stop_on_signal, _StopRequest
+    from gpulayer.cli.worker import _stop_on_signal, _StopRequest
 
     handler = _stop_on_signal(_StopRequest(), lambda: False)
     with pytest.raises(SystemExit) as exited:

@@ -1,0 +1,13 @@
+"""The ``gpulayer`` command: a thin layer over :class:`gpulayer.Client`.
+
+One module per verb (or group of verbs on one thing); each adds its
+commands to the ``main`` group of ``root.py`` when imported here.
+"""
+
+from __future__ import annotations
+
+from . import jobs, run, server, tokens, worker, workers
+from .root import _main, main
+from .run import EXIT_CODES
+
+__all__ = ["EXIT_CODES", "_main", "jobs", "main", "run", "server", "tokens", "worker", "workers"]

@@ -1,0 +1,3 @@
+from gpulayer.cli import _main
+
+_main()

@@ -1,0 +1,274 @@
+"""``gpulayer run``: submit a job, stream its logs, exit with its code."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..client import Job
+from ..errors import SpecError
+from .root import _client, main
+
+# How `gpulayer run` exits for each final state (a failed job passes its own code on).
+EXIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 130, "timed_out": 124, "lost": 1}
+
+SUBMIT_KEYS = (
+    "script",
+    "args",
+    "command",
+    "source",
+    "inputs",
+    "outputs",
+    "env",
+    "gpus",
+    "nodes",
+    "procs_per_node",
+    "launcher",
+    "priority",
+    "max_retries",
+    "timeout",
+    "name",
+    "labels",
+)
+
+
+def _pairs(values: Sequence[str], option: str) -> dict[str, str]:
+    found = {}
+    for value in values:
+        key, sep, rest = value.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected NAME=VALUE, got {value!r}", param_hint=option)
+        found[key] = rest
+    return found
+
+
+def _load_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    file = Path(path)
+    try:
+        data = yaml.safe_load(file.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise SpecError("file", f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise SpecError("file", f"{path} must hold a mapping of job fields")
+    unknown = sorted(set(data) - set(SUBMIT_KEYS))
+    if unknown:
+        raise SpecError(
+            unknown[0], f"unknown field in {path}; known fields: {', '.join(SUBMIT_KEYS)}"
+        )
+    base = file.resolve().parent
+    for key in ("script", "source"):
+        if isinstance(data.get(key), str):
+            data[key] = str(base / data[key])
+    if isinstance(data.get("inputs"), dict):
+        data["inputs"] = {k: str(base / str(v)) for k, v in data["inputs"].items()}
+    return data
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": True})
+@click.argument("target", required=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option(
+    "-f",
+    "--file",
+    "job_file",
+    type=click.Path(dir_okay=False, exists=True),
+    help="A job described in YAML.",
+)
+@click.option("--gpus", type=int, help="Whole GPUs per node.")
+@click.option("--nodes", type=int, help="Nodes (tasks) for a distributed job.")
+@click.option("--procs-per-node", type=int, help="Ranks per node.")
+@click.option(
+    "--launcher", type=click.Choice(["direct", "torchrun"]), help="Launcher for distributed jobs."
+)
+@click.option(
+    "--input", "inputs", multiple=True, metavar="NAME=PATH", help="A file or folder the job reads."
+)
+@click.option(
+    "--output",
+    "outputs",
+    multiple=True,
+    metavar="PATH",
+    help="A path (or glob) to keep when it ends.",
+)
+@click.option(
+    "--env", "env", multiple=True, metavar="K=V", help="An environment variable for the job."
+)
+@click.option(
+    "--secret",
+    "secrets",
+    multiple=True,
+    metavar="NAME[=VALUE]",
+    help="An environment variable whose value is stored encrypted and never shown back; "
+    "NAME alone passes this shell's $NAME.",
+)
+@click.option(
+    "--env-file",
+    "env_files",
+    multiple=True,
+    type=click.Path(dir_okay=False, exists=True),
+    help="A file of NAME=VALUE lines, each passed as a --secret.",
+)
+@click.option("--label", "labels", multiple=True, metavar="K=V", help="A label to find the job by.")
+@click.option(
+    "--source",
+    type=click.Path(file_okay=False, exists=True),
+    help="Folder to ship (default: the script's).",
+)
+@click.option("--priority", type=int, help="Higher runs first.")
+@click.option("--retries", "max_retries", type=int, help="Times to retry a failed or lost job.")
+@click.option("--timeout", type=float, help="Seconds before the job is terminated.")
+@click.option("--name", help="A name for the job.")
+@click.option(
+    "--workers",
+    type=int,
+    help="Local workers to start (default: 1 embedded, none with a server).",
+)
+@click.option("--slots", type=int, help="Slots per local CPU worker (GPU workers: one per GPU).")
+@click.option(
+    "--follow/--detach", default=True, help="Stream logs and wait (default), or return at once."
+)
+@click.option(
+    "--download/--no-download", default=True, help="Fetch outputs into gpulayer_runs/ at the end."
+)
+@click.pass_context
+def run(
+    ctx: click.Context,
+    /,
+    target: str | None,
+    args: tuple[str, ...],
+    job_file: str | None,
+    workers: int | None,
+    slots: int | None,
+    follow: bool,
+    download: bool,
+    **flags: Any,
+) -> None:
+    """Run TARGET (a .py script, or any command) as a job.
+
+    Logs stream to this terminal and the command exits with the job's exit
+    code. GPUlayer's own options may come before or after TARGET; arguments
+    it does not know go to the job. After `--`, everything goes to the job.
+    """
+    fields = _load_yaml(job_file) if job_file else {}
+    if target is not None:
+        if target.endswith(".py"):
+            fields["script"], fields["args"] = target, list(args)
+        else:
+            fields["command"], fields["args"] = [target, *args], []
+    if "script" not in fields and "command" not in fields:
+        raise click.UsageError("give a script or command to run, or -f job.yaml")
+    for key, option in (("inputs", "--input"), ("env", "--env"), ("labels", "--label")):
+        if flags[key]:
+            fields[key] = {**fields.get(key, {}), **_pairs(flags[key], option)}
+    if flags["outputs"]:
+        fields["outputs"] = [*fields.get("outputs", []), *flags["outputs"]]
+    secrets = _secrets(flags["env_files"], flags["secrets"])
+    if secrets:
+        fields["secrets"] = secrets
+    for key in _pairs(flags["env"], "--env"):
+        if _CREDENTIAL_NAME.search(key):
+            click.echo(
+                f"gpulayer: warning: --env {key} is stored and shown in plain text; "
+                f"a credential goes in --secret {key}",
+                err=True,
+            )
+    for key in (
+        "gpus",
+        "nodes",
+        "procs_per_node",
+        "launcher",
+        "source",
+        "priority",
+        "max_retries",
+        "timeout",
+        "name",
+    ):
+        if flags[key] is not None:
+            fields[key] = flags[key]
+    client = _client(ctx)
+    if not follow and ctx.obj["server"] is None:
+        raise click.UsageError(
+            "--detach needs a server: an embedded job runs only while this command does"
+        )
+    if workers is None:  # embedded: enough local workers for every node
+        workers = 0 if ctx.obj["server"] else max(1, int(fields.get("nodes", 1)))
+    if workers:
+        client.ensure_local_workers(workers, slots=slots)
+    job = client.submit(**fields)
+    click.echo(f"gpulayer: job {job.id} submitted", err=True)
+    if not follow:
+        click.echo(job.id)
+        return
+    try:
+        _stream(job)
+        state = job.wait()
+    except KeyboardInterrupt:
+        click.echo(f"\ngpulayer: cancelling job {job.id}", err=True)
+        state = job.cancel()
+        state = job.wait()
+    info = job.info
+    total = info.timings().get("total")
+    took = f" in {total:.2f} s" if total is not None else ""
+    click.echo(f"gpulayer: job {job.id} {state}{took}", err=True)
+    if info.reason:  # why it failed; for a success, e.g. a declared output that is missing
+        click.echo(f"gpulayer: {info.reason.splitlines()[0]}", err=True)
+    if download and info.outputs:
+        click.echo(f"gpulayer: outputs in {job.download_outputs()}", err=True)
+    code = EXIT_CODES.get(state, 1)
+    if state == "failed" and info.exit_code:
+        code = info.exit_code if info.exit_code > 0 else 128 - info.exit_code
+    ctx.exit(code)
+
+
+# Names of variables that usually hold a credential (said of an --env).
+_CREDENTIAL_NAME = re.compile(
+    r"TOKEN|SECRET|PASSW|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.IGNORECASE
+)
+
+
+def _secrets(env_files: Sequence[str], given: Sequence[str]) -> dict[str, str]:
+    """A job's secrets: each --env-file's lines, then each --secret. Errors
+    name what is wrong, never a value."""
+    from ..secretbox import read_env_file
+
+    found: dict[str, str] = {}
+    for path in env_files:
+        found.update(read_env_file(path))
+    visible = False
+    for item in given:
+        name, sep, value = item.partition("=")
+        if not name:
+            raise click.BadParameter("expected NAME or NAME=VALUE", param_hint="--secret")
+        if not sep:
+            if name not in os.environ:
+                raise click.BadParameter(
+                    f"${name} is not set here; set it, or give {name}=VALUE",
+                    param_hint="--secret",
+                )
+            value = os.environ[name]
+        visible = visible or bool(sep)
+        found[name] = value
+    if visible:
+        click.echo(
+            "gpulayer: warning: a --secret NAME=VALUE is visible to every user of this "
+            "machine (in `ps`) while this command runs; --secret NAME (from this shell's "
+            "environment) and --env-file FILE are not",
+            err=True,
+        )
+    return found
+
+
+def _stream(job: Job) -> None:
+    out, err = sys.stdout, sys.stderr
+    for line in job.stream_logs(follow=True):
+        stream = out if line.stream == "stdout" else err
+        stream.write(line.render() + "\n")
+        stream.flush()
