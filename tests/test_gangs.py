@@ -138,7 +138,7 @@ def test_the_first_failure_ends_the_other_nodes_and_names_its_rank(plane: Contro
 
 
 def test_a_lost_node_retries_the_whole_gang(plane: ControlPlane) -> None:
-    job_id, _, _, w0, w1 = gang(plane, max_retries=1)
+    job_id, _, _, w0, w1 = gang(plane, max_retries=1, retry_delay=0)
     plane.unregister_worker(w1, reason="its worker b stopped heartbeating")
     assert plane.take_instructions(w0) == [CancelTask(job_id=job_id, attempt=1)]
     plane.task_finished(result(job_id, w0, 0, outcome="cancelled", exit_code=-15))

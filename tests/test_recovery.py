@@ -48,26 +48,44 @@ def crash(home: Path, script: str) -> dict[str, Any]:
 
 
 def test_a_crashed_embedded_process_is_recovered(home: Path) -> None:
+    """Its jobs end lost, running or queued, retries left or not: the next
+    process on the home ends their processes and runs none of them."""
     ids = crash(home, CRASHER)
     assert pids_alive(ids["grandchild"]), (
         "the job's process outlives its control plane until recovery"
     )
 
     with gpulayer.Client(home=home) as client:
-        doomed = client.job(ids["doomed"])
-        assert doomed.status == "lost"
-        assert "died" in (doomed.info.reason or "")
+        for name in ("doomed", "retried", "waiting"):
+            job = client.job(ids[name])
+            assert job.status == "lost", name
+            assert "the GPUlayer process that submitted it ended" in (job.info.reason or "")
+        assert "while it ran" in (client.job(ids["retried"]).info.reason or "")
+        assert "before it started" in (client.job(ids["waiting"]).info.reason or "")
         # Its orphaned processes were ended, not left running.
         assert pids_alive(ids["grandchild"]) == []
-        # Two slots: the retried job (submitted first) runs again and sleeps.
+        # Workers here run the jobs submitted here, and nothing left before.
         client.ensure_local_workers(2, kill_grace=0.5)
-        waiting = client.job(ids["waiting"])
-        assert waiting.wait(timeout=60) == "succeeded"
-        assert waiting.logs() == "ran later\n"
-        retried = client.job(ids["retried"])
-        assert retried.status == "running" and retried.info.attempt == 2
-        retried.cancel()
-        assert retried.wait(timeout=30) == "cancelled"
+        mine = client.submit(command=[PY, "-c", "print('mine')"])
+        assert mine.wait(timeout=60) == "succeeded"
+        assert client.job(ids["waiting"]).logs() == ""
+        assert client.job(ids["retried"]).info.attempt == 1
+
+
+def test_jobs_left_by_a_dead_process_are_reported_once(home: Path) -> None:
+    """The first command after the crash says which jobs it marked lost;
+    the next says nothing: they are final, and no longer anyone's to take."""
+    ids = crash(home, CRASHER)
+    env = {**os.environ, "GPULAYER_HOME": str(home)}
+    first = subprocess.run(
+        [PY, "-m", "gpulayer.cli", "jobs"], capture_output=True, text=True, env=env, check=True
+    )
+    assert "3 job(s) of GPUlayer processes that ended before them are marked lost" in first.stderr
+    assert ids["waiting"] in first.stderr
+    again = subprocess.run(
+        [PY, "-m", "gpulayer.cli", "jobs"], capture_output=True, text=True, env=env, check=True
+    )
+    assert "marked lost" not in again.stderr, again.stderr
 
 
 def test_another_live_process_keeps_its_jobs(home: Path) -> None:

@@ -150,7 +150,7 @@ def test_a_job_given_back_keeps_its_attempts_across_a_restart(tmp_path: Path) ->
     store = SqliteStore(tmp_path / "db.sqlite")
     try:
         plane = ControlPlane(store, instance_id="dead")
-        job_id, wid = _placed_and_taken(plane, max_retries=1)
+        job_id, wid = _placed_and_taken(plane, max_retries=1, retry_delay=0)
         plane.heartbeat(wid, stopping=True)
         plane.task_finished(TaskResult(job_id=job_id, attempt=1, worker_id=wid, outcome="returned"))
         # The control plane dies; its successor finds the job queued, no attempt spent.
@@ -305,7 +305,7 @@ def test_a_finish_from_an_old_registration_wakes_the_new_long_poll(plane: Contro
 @pytest.mark.parametrize("code", [0, 1])  # a job that ends; one that fails and is retried
 def test_a_result_the_store_refused_applies_when_sent_again(plane: ControlPlane, code: int) -> None:
     wid = _one_slot(plane).id
-    spec = parse_spec({"command": ["true"], "max_retries": 1})
+    spec = parse_spec({"command": ["true"], "max_retries": 1, "retry_delay": 0})
     job, waiting = plane.submit(spec).id, plane.submit(spec).id
     assert _job_ids(plane.take_instructions(wid)) == [job]
     ended = TaskResult(job_id=job, attempt=1, worker_id=wid, outcome="exited", exit_code=code)

@@ -11,13 +11,17 @@ DIGEST = "a" * 64
 @pytest.mark.parametrize(
     ("data", "field", "words"),
     [
-        ({"command": ["x"], "gpus": -1}, "gpus", ">= 0"),
-        ({"command": ["x"], "gpu": 1}, "gpu", "unknown field"),
-        ({"command": "python x.py"}, "command", "array"),
+        ({"command": ["x"], "gpus": -1}, "gpus", "must be a whole number, 0 or more; got -1"),
+        ({"command": ["x"], "gpu": 1}, "gpu", "unknown field; did you mean 'gpus'?"),
+        ({"command": "python x.py"}, "command", "must be a list (the program and its arguments"),
         ({"command": []}, "command", "must name a program"),
-        ({"command": ["x"], "timeout": 0}, "timeout", "> 0"),
-        ({"command": ["x"], "max_retries": -2}, "max_retries", ">= 0"),
-        ({"command": ["x"], "priority": "high"}, "priority", "int"),
+        ({"command": ["x"], "timeout": 0}, "timeout", "must be a number, more than 0; got 0"),
+        ({"command": ["x"], "max_retries": -2}, "max_retries", "0 or more; got -2"),
+        (
+            {"command": ["x"], "priority": "high"},
+            "priority",
+            "must be a whole number; got 'high' (a string)",
+        ),
         ({"command": ["x"], "env": {"1BAD": "v"}}, "env.1BAD", "environment variable"),
         ({"command": ["x"], "outputs": ["/etc/passwd"]}, "outputs[0]", "absolute"),
         ({"command": ["x"], "outputs": ["a/../../b"]}, "outputs[0]", "inside"),
@@ -28,15 +32,37 @@ DIGEST = "a" * 64
         ),
         (
             {"command": ["x"], "inputs": {"d": {"kind": "file", "digest": "nothex"}}},
-            "inputs[...].digest",
-            "regex",
+            "inputs.d.digest",
+            "must be a sha256 digest: 64 lowercase hex digits; got 'nothex'",
         ),
         ({"script": "../up.py", "bundle": DIGEST}, "script", "inside"),
         ({"script": "train.py"}, "bundle", "needs the bundle"),
         ({}, "command", "exactly one"),
         ({"command": ["x"], "script": "a.py", "bundle": DIGEST}, "command", "exactly one"),
         ({"command": ["x"], "name": "  "}, "name", "blank"),
-        ({"command": ["x"], "launcher": "mpirun"}, "launcher", "direct"),
+        (
+            {"command": ["x"], "launcher": "mpirun"},
+            "launcher",
+            "'mpirun' is not allowed; allowed: direct, torchrun",
+        ),
+        (
+            {"command": ["x"], "env": {"A": "ok", "B": 5}},
+            "env.B",
+            "must be a string; got 5 (an int)",
+        ),
+        ({"command": ["x"], "labels": {"team": 1}}, "labels.team", "must be a string; got 1"),
+        ({"command": ["x", 3]}, "command[1]", "must be a string; got 3"),
+        (
+            {"command": ["x"], "inputs": {"d": {"kind": "blob", "digest": DIGEST}}},
+            "inputs.d.kind",
+            "'blob' is not allowed; allowed: file, dir",
+        ),
+        (
+            {"command": ["x"], "inputs": {"d": {"kind": "file", "digest": DIGEST, "sise": 1}}},
+            "sise",
+            "unknown field in inputs.d; did you mean 'size'?",
+        ),
+        ({"command": ["x"], "prority": 1}, "prority", "did you mean 'priority'?"),
     ],
 )
 def test_bad_specs_name_the_field(data: dict[str, object], field: str, words: str) -> None:
@@ -79,6 +105,6 @@ def test_distributed_shapes_are_accepted_and_their_limits_named() -> None:
     with pytest.raises(SpecError, match="at most 1024 nodes") as info:
         parse_spec({"command": ["x"], "nodes": 5000})
     assert info.value.field == "nodes"
-    with pytest.raises(SpecError, match="valid values: direct, torchrun") as info:
+    with pytest.raises(SpecError, match="allowed: direct, torchrun") as info:
         parse_spec({"command": ["x"], "nodes": 2, "launcher": "mpirun"})
     assert info.value.field == "launcher"

@@ -73,7 +73,7 @@ def test_a_gang_whose_lost_node_was_not_stored_ends_when_it_is_lost_again(
 
 def test_a_worker_lost_while_the_store_refuses_is_lost_again_later(plane: ControlPlane) -> None:
     wid = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None])).id
-    job = plane.submit(parse_spec({"command": ["x"], "max_retries": 1})).id
+    job = plane.submit(parse_spec({"command": ["x"], "max_retries": 1, "retry_delay": 0})).id
     plane.take_instructions(wid)
     refuse_commits(plane.store)
     with pytest.raises(StoreError):
@@ -228,7 +228,7 @@ def test_a_worker_back_without_its_task_while_the_store_refuses_finds_it_missing
     plane: ControlPlane,
 ) -> None:
     info = plane.register_worker(WorkerInfo(id="", name="w", host="h", slot_gpus=[None]))
-    job = plane.submit(parse_spec({"command": ["x"], "max_retries": 1})).id
+    job = plane.submit(parse_spec({"command": ["x"], "max_retries": 1, "retry_delay": 0})).id
     (task,) = plane.take_instructions(info.id)
     assert isinstance(task, RunTask)
     plane.task_started(

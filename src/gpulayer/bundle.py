@@ -7,8 +7,10 @@ not change is never stored twice (:func:`store` skips blobs already present).
 
 1. :func:`scan` walks a directory: skips ``.git``, virtual environments (a
    directory holding ``pyvenv.cfg``), ``gpulayer_runs/``, ``__pycache__``,
-   GPUlayer homes and what ``.gpulayerignore`` names; records symlinks
-   without following them; hashes files (cached per process).
+   GPUlayer homes, what training leaves beside a script (DEFAULT_IGNORES,
+   which ``.gpulayerignore`` may take back with ``!``) and what
+   ``.gpulayerignore`` names; records symlinks without following them;
+   hashes files (cached per process).
 2. :func:`store` puts the missing file blobs and the manifest.
 3. :func:`load` fetches and validates a manifest; :func:`materialize` checks
    every entry (:func:`validate`) before writing anything into a workspace.
@@ -18,9 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -33,9 +36,30 @@ from gpulayer.errors import ArtifactError, BundleError, UnsafePathError
 if TYPE_CHECKING:
     import pathspec
 
+log = logging.getLogger(__name__)
+
 IGNORE_FILE = ".gpulayerignore"
 _VENV_MARKER = "pyvenv.cfg"
 _SKIP_DIRS = frozenset({"gpulayer_runs", "__pycache__"})
+# What a training run leaves beside its script, left out of a bundle by
+# default (gitignore syntax): logger and tracker folders and checkpoints.
+# Shipped with every later job, they would grow each one's bundle by a run's
+# output; a `.gpulayerignore` line such as `!checkpoints/` takes one back.
+DEFAULT_IGNORES = (
+    "lightning_logs/",
+    "wandb/",
+    "mlruns/",
+    "runs/",
+    "outputs/",
+    "multirun/",
+    "checkpoints/",
+    ".ipynb_checkpoints/",
+    "*.ckpt",
+)
+# The same, matched without pathspec where there is no ignore file to
+# combine them with (most bundles): folder names, file suffixes.
+_DEFAULT_DIRS = frozenset(p[:-1] for p in DEFAULT_IGNORES if p.endswith("/"))
+_DEFAULT_SUFFIXES = tuple(p[1:] for p in DEFAULT_IGNORES if p.startswith("*."))
 _KINDS = ("file", "dir", "symlink")
 _HEX = frozenset("0123456789abcdef")
 _Progress = Callable[[int], None] | None
@@ -109,6 +133,8 @@ def _listdir(path: str) -> list[os.DirEntry[str]]:
 
 
 def _ignore_spec(root: str) -> pathspec.GitIgnoreSpec | None:
+    """The default ignores and the root's ignore file, as one spec (its
+    lines last: a `!` line takes a default back); None with no file."""
     try:
         with open(os.path.join(root, IGNORE_FILE), encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -118,11 +144,47 @@ def _ignore_spec(root: str) -> pathspec.GitIgnoreSpec | None:
         raise BundleError(f"cannot read {IGNORE_FILE} in {root}: {e}") from e
     import pathspec  # only bundles that have an ignore file pay its import
 
-    return pathspec.GitIgnoreSpec.from_lines(lines)
+    return pathspec.GitIgnoreSpec.from_lines([*DEFAULT_IGNORES, *lines])
 
 
-def scan(root: Path, *, home: Path | None = None) -> Manifest:
-    """The manifest of the tree under ``root`` (see the module docstring for what is skipped)."""
+class _Ignored:
+    """Whether a path of the tree is left out: by the spec where the root
+    has an ignore file, else by the default ignores alone; and whatever
+    ``exclude`` names (paths shipped otherwise, such as inputs)."""
+
+    def __init__(self, root: str, exclude: Collection[str]) -> None:
+        self.spec = _ignore_spec(root)
+        self.exclude = frozenset(exclude)
+        self.by_default: list[str] = []  # what a default left out: said, to be taken back
+
+    def dir(self, rel: str, name: str) -> bool:
+        if rel in self.exclude:
+            return True
+        default = name in _DEFAULT_DIRS
+        out = default if self.spec is None else self.spec.match_file(rel + "/")
+        if out and default:
+            self.by_default.append(rel + "/")
+        return out
+
+    def file(self, rel: str, name: str) -> bool:
+        if rel in self.exclude:
+            return True
+        default = name.endswith(_DEFAULT_SUFFIXES)
+        out = default if self.spec is None else self.spec.match_file(rel)
+        if out and default:
+            self.by_default.append(rel)
+        return out
+
+    def link(self, rel: str) -> bool:
+        if rel in self.exclude:
+            return True
+        return self.spec is not None and self.spec.match_file(rel)
+
+
+def scan(root: Path, *, home: Path | None = None, exclude: Collection[str] = ()) -> Manifest:
+    """The manifest of the tree under ``root`` (see the module docstring for
+    what is skipped). ``exclude``: paths relative to ``root`` (POSIX) left
+    out as well, such as inputs inside it, which are shipped as inputs."""
     top = os.path.abspath(root)
     if not os.path.isdir(top):
         raise BundleError(f"cannot bundle {root}: not a directory")
@@ -131,7 +193,7 @@ def scan(root: Path, *, home: Path | None = None) -> Manifest:
         rel = os.path.relpath(Path(home).resolve(), Path(top).resolve())
         if rel != "." and not rel.startswith(".."):
             skip_rel = rel.replace(os.sep, "/")
-    ignore = _ignore_spec(top)
+    ignored = _Ignored(top, exclude)
     entries: list[Entry] = []
     # Depth-first with an explicit stack: no recursion limit on deep trees.
     stack = [("", _listdir(top))]
@@ -143,12 +205,12 @@ def scan(root: Path, *, home: Path | None = None) -> Manifest:
             if name == ".git":
                 continue
             if de.is_symlink():
-                if ignore is None or not ignore.match_file(rel):
+                if not ignored.link(rel):
                     entries.append(Entry(rel, "symlink", target=os.readlink(de.path)))
             elif de.is_dir(follow_symlinks=False):
                 if name in _SKIP_DIRS or rel == skip_rel:
                     continue
-                if ignore is not None and ignore.match_file(rel + "/"):
+                if ignored.dir(rel, name):
                     continue
                 sub = _listdir(de.path)
                 if any(c.name in (_VENV_MARKER, defaults.HOME_MARKER) for c in sub):
@@ -156,13 +218,22 @@ def scan(root: Path, *, home: Path | None = None) -> Manifest:
                 entries.append(Entry(rel, "dir", mode=0o755))
                 stack.append((rel + "/", sub))
             elif de.is_file(follow_symlinks=False):
-                if ignore is not None and ignore.match_file(rel):
+                if ignored.file(rel, name):
                     continue
                 st = de.stat(follow_symlinks=False)
                 digest = _digest(de.path, st)
                 mode = 0o755 if st.st_mode & 0o100 else 0o644
                 entries.append(Entry(rel, "file", size=st.st_size, mode=mode, digest=digest))
             # Sockets, FIFOs and devices have no content to ship: skipped.
+    if ignored.by_default:
+        shown = sorted(ignored.by_default)
+        log.info(
+            "left out of the bundle of %s by default: %s (a line such as !%s in %s ships it)",
+            root,
+            ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else ""),
+            shown[0],
+            IGNORE_FILE,
+        )
     entries.sort(key=lambda e: e.path)
     manifest = Manifest(tuple(entries))
     try:

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +21,22 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from . import bundle, defaults
-from .errors import GPUlayerError, SpecError, TransportError, WaitTimeout, WorkerError
+from .errors import (
+    ArtifactError,
+    GPUlayerError,
+    InvalidStateError,
+    SpecError,
+    TransportError,
+    UnsafePathError,
+    WaitTimeout,
+    WorkerError,
+)
 from .home import resolve_home
 from .ids import is_job_id
-from .jobs import JobInfo, LogLine, WorkerInfo
+from .jobs import QUEUED, RUNNING, JobInfo, LogLine, WorkerInfo
 from .outputs import UnsafeOutputError, shorten, tidy
-from .spec import ArtifactRef, check_input_name, parse_spec
-from .transport import Transport
+from .spec import ArtifactRef, JobSpec, check_input_name, parse_spec
+from .transport import Transport, check_job_filter
 
 if TYPE_CHECKING:
     from .embedded import Embedded
@@ -259,11 +268,15 @@ class Client:
         timeout: float | None = None,
         name: str | None = None,
         labels: Mapping[str, str] | None = None,
+        retry_delay: float | None = None,
     ) -> Job:
         """Validate, store and place a job. Nothing is stored if the spec is bad.
 
         ``secrets`` join the job's environment like ``env``, but their values
         are stored encrypted and never shown back: its record names them only.
+        ``retry_delay``: seconds a retry waits (``max_retries``), doubled at
+        each one (default: ``defaults.RETRY_DELAY_S``, doubling up to
+        ``defaults.RETRY_DELAY_MAX_S``; 0 retries at once).
         """
         fields: dict[str, Any] = {
             "args": [str(a) for a in args] if not isinstance(args, str) else args,
@@ -280,6 +293,8 @@ class Client:
             "name": name,
             "labels": dict(labels or {}),
         }
+        if retry_delay is not None:  # left out otherwise: a server before it refuses the field
+            fields["retry_delay"] = retry_delay
         if command is not None:
             fields["command"] = (
                 [str(c) for c in command] if not isinstance(command, str) else command
@@ -295,13 +310,58 @@ class Client:
         spec = parse_spec(draft)
         if source_dir is not None or input_paths:  # the real digests replace the placeholders
             if source_dir is not None:
-                fields["bundle"], _ = self._pack_tree(source_dir, "source")
+                # An input inside the source folder is shipped once, as the input.
+                inside = _inside(source_dir, input_paths.values())
+                fields["bundle"], _ = self._pack_tree(source_dir, "source", exclude=inside)
             fields["inputs"] = {name: self._pack_input(path) for name, path in input_paths.items()}
             spec = parse_spec(fields)
+        return self._submit_spec(spec, source_dir)
+
+    def _submit_spec(self, spec: JobSpec, source_dir: Path | None = None) -> Job:
         info = self._transport.submit(spec)
         if self._embedded is not None and self._auto_worker and not self._embedded.workers:
             self._embedded.ensure_local_workers(1)
         return Job(self, info, source_dir)
+
+    def rerun(self, job_id: str, *, secrets: Mapping[str, str] | None = None) -> Job:
+        """Submit a new job with the spec of job ``job_id`` (an id or a unique
+        prefix): the same bundle, inputs, command, env, labels and limits.
+
+        A secret's value is never handed back (a record names it only), so a
+        job that had secrets is rerun only with each given again in
+        ``secrets``; else SpecError naming them, and nothing is submitted.
+        The bundle and inputs must still be stored (not freed since).
+        """
+        old = self._transport.get_job(job_id)
+        spec = old.spec
+        given = dict(secrets or {})
+        missing = sorted(set(spec.secrets) - set(given))
+        if missing:
+            raise SpecError(
+                "secrets",
+                f"job {old.id} had the secret(s) {', '.join(missing)}, whose values are never "
+                "handed back, so a rerun cannot carry them; give each again (gpulayer rerun "
+                f"{old.id} --secret NAME, or rerun(secrets=...)); nothing was submitted",
+            )
+        extra = sorted(set(given) - set(spec.secrets))
+        if extra:
+            raise SpecError(
+                f"secrets.{extra[0]}",
+                f"job {old.id} had no secret {extra[0]}; a rerun runs the same spec "
+                f"(its secrets: {', '.join(sorted(spec.secrets)) or 'none'})",
+            )
+        if given:
+            spec = msgspec.structs.replace(spec, secrets=given)
+        stored = [ref.digest for ref in spec.inputs.values()]
+        if spec.bundle is not None:
+            stored.append(spec.bundle)
+        gone = self._transport.missing_blobs(stored)
+        if gone:
+            raise ArtifactError(
+                f"job {old.id}'s {'bundle' if spec.bundle in gone else 'inputs'} are no longer "
+                "stored (freed since it ran?); submit it again from its files; nothing was submitted"
+            )
+        return self._submit_spec(parse_spec(spec))
 
     def _resolve_source(
         self,
@@ -338,8 +398,10 @@ class Client:
             found[name] = path
         return found
 
-    def _pack_tree(self, root: Path, label: str) -> tuple[str, int]:
-        manifest = bundle.scan(root, home=self.home)
+    def _pack_tree(
+        self, root: Path, label: str, *, exclude: Collection[str] = ()
+    ) -> tuple[str, int]:
+        manifest = bundle.scan(root, home=self.home, exclude=exclude)
         summary = bundle.summarize(manifest)
         log.info("%s bundle %s: %d files, %s", label, root, summary.files, _size(summary.bytes))
         if bundle.is_large(summary):
@@ -413,13 +475,67 @@ class Client:
         return info
 
     def jobs(
-        self, *, state: str | Iterable[str] | None = None, limit: int | None = None
+        self,
+        *,
+        state: str | Iterable[str] | None = None,
+        limit: int | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> list[Job]:
+        """Jobs newest first (a user's own, against a server); with ``state``,
+        only those in it (or in one of them); with ``labels``, only those
+        carrying every label given, key and value exactly. An unknown state
+        raises GPUlayerError, embedded and against a server alike."""
         states = [state] if isinstance(state, str) else list(state or [])
-        return [Job(self, info) for info in self._transport.list_jobs(states=states, limit=limit)]
+        wanted = dict(labels or {})
+        check_job_filter(states, wanted)  # the same words embedded and against a server
+        found = self._transport.list_jobs(states=states, limit=limit, labels=wanted or None)
+        return [Job(self, info) for info in found]
+
+    def cancel_jobs(self, *, labels: Mapping[str, str]) -> list[Job]:
+        """Cancel every queued or running job (of the caller's) carrying every
+        one of ``labels``; returns those cancelled, or whose cancel was asked
+        for (a running job ends once its worker has ended it). A job that
+        ended meanwhile is left out."""
+        wanted = dict(labels)
+        if not wanted:  # no filter would be every job: never by accident
+            raise GPUlayerError("cancel_jobs needs at least one label to select jobs by")
+        done: dict[str, Job] = {}
+        # A listing holds at most LIST_JOBS_MAX, newest first: list again
+        # until none is new (a running one stays running until its worker
+        # has ended it, so it is known by id).
+        while True:
+            found = [
+                job
+                for job in self.jobs(
+                    state=(QUEUED, RUNNING), labels=wanted, limit=defaults.LIST_JOBS_MAX
+                )
+                if job.id not in done
+            ]
+            if not found:
+                return list(done.values())
+            for job in found:
+                try:
+                    job.cancel()
+                except InvalidStateError:  # it ended between the listing and now
+                    continue
+                done[job.id] = job
 
     def workers(self) -> list[WorkerInfo]:
         return self._transport.list_workers()
+
+
+def _inside(root: Path, paths: Iterable[Path]) -> set[str]:
+    """Those of ``paths`` (resolved) inside ``root`` (resolved), relative to
+    it, as a bundle names them; ``root`` itself is not inside."""
+    found = set()
+    for path in paths:
+        try:
+            rel = path.relative_to(root)
+        except ValueError:
+            continue
+        if rel.parts:
+            found.add(rel.as_posix())
+    return found
 
 
 _LOCAL_SERIALS = itertools.count()  # numbers the local workers' names, in this process
@@ -579,14 +695,24 @@ class Job:
         outputs were checked stored ``ckpt/**`` as the folder and again each
         path in it.) The first that is not raises UnsafeOutputError (or
         UnsafePathError, for a folder's entry) naming it, before anything
-        is written.
+        is written. The folder itself must not be a symbolic link
+        (UnsafePathError), and the job must have ended (InvalidStateError).
         """
         info = self.info if self.info.done else self.refresh()
+        if not info.done:  # its outputs are stored as it ends
+            raise InvalidStateError(
+                f"job {self.id} is {info.state}: its outputs can be downloaded once it has ended"
+            )
         base = (
             Path(dest)
             if dest is not None
             else (self._source_dir or Path.cwd()) / defaults.RUNS_DIRNAME / self.id
         )
+        if base.is_symlink():
+            raise UnsafePathError(
+                f"{base} is a symbolic link: nothing is written through one; give the folder "
+                f"it leads to ({os.path.realpath(base)}) if that is where the outputs go"
+            )
         plan = _plan_outputs(info.outputs)  # before anything is written
         transport = self._client.transport
         from .artifacts import ArtifactStore, copy_file

@@ -74,10 +74,20 @@ MISSING_BLOBS_PER_REQUEST = 50_000
 BLOB_LIST_MAX_BYTES = 4 * 1024 * 1024
 # Jobs in one listing: each may be a 256 KiB spec, so a listing is bounded.
 LIST_JOBS_MAX = 1000
+# Jobs `gpulayer jobs` lists unless --limit says otherwise: a screenful or two.
+JOBS_LISTED = 50
 # How many trailing stderr lines a failed job's error message carries.
 STDERR_TAIL_LINES = 20
 # ...each cut at this many characters.
 STDERR_TAIL_LINE_MAX = 1000
+
+# A job's retry (``max_retries``) waits this long after its first failed
+# attempt, twice as long after the next, and so on up to the cap: a job that
+# fails at once (a missing file, a dependency down) does not spin through
+# its retries in a second. A job's ``retry_delay`` replaces the first wait
+# (0: retry at once); the cap holds unless that first wait is longer.
+RETRY_DELAY_S = 1.0
+RETRY_DELAY_MAX_S = 300.0
 
 # Cancel and timeout: SIGTERM, then this long to exit cleanly, then SIGKILL.
 KILL_GRACE_S = 10.0
@@ -106,6 +116,10 @@ LARGE_BUNDLE_BYTES = 100 * 1024 * 1024
 # later job's bytes. Executables are always copied (a link cannot carry their
 # own mode).
 LINK_MIN_BYTES = 1024 * 1024
+# A foreground `gpulayer run` whose job has not started after this long says
+# why it waits, then looks again this often and says so when the reason changes.
+WAIT_NOTICE_S = 2.0
+WAIT_RECHECK_S = 1.0
 # Storing more than this many new bytes shows a progress bar in the CLI.
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 

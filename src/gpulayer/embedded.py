@@ -2,9 +2,9 @@
 in the user's process, with state in the GPUlayer home.
 
 Opening one claims a fresh instance id (a lock held for the process's life)
-and recovers what any dead instance on the same home left behind: its
-running jobs are ended (their stray processes killed) and retried within
-their budget or marked ``lost``; its queued jobs queue here.
+and recovers what any dead instance on the same home left behind: each job
+it had not finished is marked ``lost`` (the processes of those running
+killed), never run here (ADR-0021).
 """
 
 from __future__ import annotations
@@ -61,10 +61,14 @@ class Embedded:
                 recovered += self.plane.recover(owner)
             finally:
                 self.home.forget_instance(owner, fd)
-        if recovered:
+        if recovered:  # said once: they are final now, and never taken over again
+            shown = ", ".join(recovered[:5]) + (", ..." if len(recovered) > 5 else "")
             log.warning(
-                "took over %d job(s) from GPUlayer processes that are no longer running",
+                "%d job(s) of GPUlayer processes that ended before them are marked lost, "
+                "not run: %s (an embedded job runs only while the process that submitted "
+                "it does; use a server for jobs that outlive their command)",
                 len(recovered),
+                shown,
             )
         return recovered
 

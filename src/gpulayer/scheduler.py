@@ -13,12 +13,16 @@ The service calls :func:`place` on submit and whenever capacity frees. Rules:
    Jobs that no worker could ever hold reserve nothing (they would block it
    for good) and :func:`explain` says why they wait.
 5. A job of ``nodes=N`` needs N distinct workers at once (a gang), or waits.
+6. A retried job waits out its back-off (:func:`retry_wait`): until its
+   ``not_before`` time it is passed over, and holds no worker for itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from . import defaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +34,20 @@ class Request:
     seq: int  # submission order
     gpus: int = 0
     nodes: int = 1
+    # A retry's back-off: not placed before this time (seconds since the
+    # epoch, the service's clock); 0: at once.
+    not_before: float = 0.0
+
+
+def retry_wait(retry_delay: float | None, failed: int) -> float:
+    """Seconds a job waits before its next attempt, after ``failed`` attempts
+    that count against its retries: ``retry_delay * 2**(failed - 1)``, from
+    :data:`~gpulayer.defaults.RETRY_DELAY_S` when the job sets none, and at
+    most :data:`~gpulayer.defaults.RETRY_DELAY_MAX_S` (or ``retry_delay``
+    itself, if that is longer)."""
+    base = defaults.RETRY_DELAY_S if retry_delay is None else retry_delay
+    cap = max(defaults.RETRY_DELAY_MAX_S, base)
+    return min(base * 2.0 ** max(0, min(failed - 1, 64)), cap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +95,13 @@ def _could_ever_fit(cap: Capacity, gpus: int) -> bool:
     return cap.total_gpus >= gpus if gpus else bool(cap.slot_gpus)
 
 
-def place(requests: Iterable[Request], capacities: Sequence[Capacity]) -> list[Assignment]:
+def place(
+    requests: Iterable[Request], capacities: Sequence[Capacity], now: float | None = None
+) -> list[Assignment]:
     """Assign as many waiting jobs as the rules allow. Never over-commits a slot.
+
+    ``now``: the time, against which a retry's ``not_before`` is held (None:
+    none is held back).
 
     ``requests`` come highest rank first (see :func:`order`); the caller keeps
     its queue in that order, so placement stops reading it as soon as every
@@ -91,6 +114,8 @@ def place(requests: Iterable[Request], capacities: Sequence[Capacity]) -> list[A
     reserved: set[str] = set()
     result: list[Assignment] = []
     for req in requests:
+        if now is not None and req.not_before > now:
+            continue  # backing off: it reserves nothing meanwhile (rule 6)
         # Best fit: CPU jobs on CPU slots first, then the fewest free slots.
         best: list[tuple[tuple[bool, int, str], Capacity]] = []
         anything_open = False
@@ -134,8 +159,10 @@ def place(requests: Iterable[Request], capacities: Sequence[Capacity]) -> list[A
     return result
 
 
-def explain(req: Request, capacities: Sequence[Capacity]) -> str:
+def explain(req: Request, capacities: Sequence[Capacity], now: float | None = None) -> str:
     """Why a waiting job is not running, in words for `gpulayer show`."""
+    if now is not None and req.not_before > now:
+        return f"waiting {req.not_before - now:.1f} s more before retrying (back-off)"
     if not capacities:
         return "no workers are connected"
     unit = f"{req.gpus} GPU{'s' if req.gpus != 1 else ''}" if req.gpus else "a free slot"

@@ -45,6 +45,8 @@ MAX_LABEL_KEY_CHARS = 63
 MAX_LABEL_VALUE_CHARS = 256
 # A timeout past this (a year) is a mistake, not a job: refused at submit.
 MAX_TIMEOUT_S = 366 * 24 * 3600.0
+# A retry's first wait past this (a day) is a mistake, not a back-off.
+MAX_RETRY_DELAY_S = 24 * 3600.0
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -83,6 +85,11 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     launcher: Literal["direct", "torchrun"] | None = None
     priority: int = 0
     max_retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = 0
+    # Seconds before the first retry, doubled at each next one; None: the
+    # default back-off (defaults.RETRY_DELAY_S, up to RETRY_DELAY_MAX_S);
+    # 0: retry at once. Left out of the JSON when None (omit_defaults), so
+    # a spec without it reads and compares as before it existed.
+    retry_delay: Annotated[float, msgspec.Meta(ge=0)] | None = None
     timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
     name: str | None = None
     labels: dict[str, str] = {}
@@ -106,7 +113,6 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
 
 _CHOICES = {"launcher": LAUNCHERS}
 _encode = msgspec.json.Encoder().encode
-_FIELD_RE = re.compile(r"at `\$\.?([^`]*)`")
 
 
 def parse_spec(data: Mapping[str, Any] | JobSpec) -> JobSpec:
@@ -117,20 +123,16 @@ def parse_spec(data: Mapping[str, Any] | JobSpec) -> JobSpec:
         try:
             spec = msgspec.convert(dict(data), JobSpec, strict=True)
         except msgspec.ValidationError as exc:
-            message = str(exc)
-            match = _FIELD_RE.search(message)
-            field = match.group(1) if match else _unknown_field(message)
-            reason = _FIELD_RE.sub("", message).strip(" -")
-            if field in _CHOICES:
-                reason += f"; valid values: {', '.join(_CHOICES[field])}"
-            raise SpecError(field or "spec", reason) from None
+            from .spec_errors import plain_spec_error
+
+            raise plain_spec_error(
+                str(exc),
+                data,
+                fields=JobSpec.__struct_fields__,
+                choices={**_CHOICES, "kind": ("file", "dir")},
+            ) from None
     check_spec(spec)
     return spec
-
-
-def _unknown_field(message: str) -> str:
-    match = re.search(r"unknown field `([^`]*)`", message)
-    return match.group(1) if match else ""
 
 
 def check_spec(spec: JobSpec) -> None:
@@ -204,6 +206,12 @@ def _check_sizes(spec: JobSpec) -> None:
         _text_bytes(f"labels.{key[:64]}", key + value)
     size = len(_encode(spec))
     _at_most("spec", size, MAX_SPEC_BYTES, "bytes of JSON for the whole spec")
+    if spec.retry_delay is not None and not spec.retry_delay <= MAX_RETRY_DELAY_S:
+        raise SpecError(
+            "retry_delay",
+            f"at most {MAX_RETRY_DELAY_S:.0f} s (a day) before the first retry, got "
+            f"{spec.retry_delay:g}; leave it out for the default back-off",
+        )
     if spec.timeout is not None and not spec.timeout <= MAX_TIMEOUT_S:
         raise SpecError(
             "timeout",

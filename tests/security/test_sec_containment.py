@@ -229,7 +229,7 @@ def test_a_workers_containment_is_listed_and_a_jobs_use_is_shown(
         assert job.wait(timeout=60) == "succeeded", job.info.reason
     cli = [sys.executable, "-m", "gpulayer.cli", "--server", server.url, "--token", server.admin]
     listed = subprocess.run([*cli, "workers"], capture_output=True, text=True, check=True)
-    assert re.search(r"boxed .* (cgroup v2|subreaper) ", listed.stdout), listed.stdout
+    assert re.search(r"boxed\s.*\s(cgroup v2|subreaper)\s", listed.stdout), listed.stdout
     shown = subprocess.run([*cli, "show", job.id], capture_output=True, text=True, check=True)
     if cgroups:
         assert "cgroup v2" in listed.stdout

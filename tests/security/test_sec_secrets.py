@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from gpulayer.ids import new_id
 from gpulayer.jobs import RunTask
 from gpulayer.service import ControlPlane
 from gpulayer.spec import REDACTED, JobSpec, parse_spec
+from server.conftest import ServerProc
 
 # The job prints a digest of each secret it was given, never the secret.
 PRINT_DIGESTS = (
@@ -194,19 +196,21 @@ def test_bad_secrets_are_refused_without_saying_them(tmp_path: Path) -> None:
     _shows_none(repr(spec) + repr(task) + str(spec), secret)
 
 
-def test_a_store_without_its_key_reveals_and_runs_nothing(tmp_path: Path) -> None:
-    """A job queued with a secret; then its home loses its key (a copy of
-    the database elsewhere, say). Its bytes hold no secret, and the job, taken
-    over there, ends failed saying why: it never runs without its secret."""
-    home = tmp_path / "home"
+def test_a_store_without_its_key_reveals_and_runs_nothing(server: ServerProc) -> None:
+    """A job queued with a secret on a server; then the server's home loses
+    its key (a copy of the database elsewhere, say) and the server starts
+    again. Its bytes hold no secret, and the job ends failed saying why: it
+    never runs without its secret."""
     secret = _value()
-    with gpulayer.Client(home=home, auto_worker=False) as client:
+    with server.client() as client:
         job = client.submit(command=[sys.executable, "-c", "print('ran')"], secrets={"K": secret})
-        assert job.status == "queued"
-    _shows_none(_store_bytes(home), secret)
-    (home / "secrets.key").unlink()
-    with gpulayer.Client(home=home) as client:
-        client.ensure_local_workers(1)
+        assert job.status == "queued"  # no worker yet
+    server.kill(signal.SIGTERM)
+    _shows_none(_store_bytes(server.home), secret)
+    (server.home / "secrets.key").unlink()
+    server.start()
+    server.start_worker(server.home.parent / "worker-home")
+    with server.client() as client:
         again = client.job(job.id)
         assert again.wait(timeout=60) == "failed"
         assert "the secret K cannot be decrypted" in (again.info.reason or "")

@@ -81,6 +81,10 @@ def test_a_worker_token_cannot_act_for_a_worker_an_admin_registered(tmp_path: Pa
     assert asyncio.run(scenario()) == [403, 403, 403]
 
 
+# The line the control plane opens a retry's attempt with (its retry_delay is 0).
+RETRY_LINE = "gpulayer: attempt 2 of 2 (after: its worker stopped), at once"
+
+
 def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Path) -> None:
     """Also to an attempt that ended in a retry (its worker was cut off), after
     that worker is gone, and after a restart of the server; not once another
@@ -121,7 +125,7 @@ def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Pa
     async def before_restart() -> tuple[str, str]:
         nonlocal jid
         quitter = await register(ta)
-        spec = {"spec": {"command": ["sleep", "600"], "max_retries": 1}}
+        spec = {"spec": {"command": ["sleep", "600"], "max_retries": 1, "retry_delay": 0}}
         _, _, job = await asgi_request(app, "POST", "/api/v1/jobs", body=spec, token=user)
         jid = job["id"]
         # It takes it and gives it back unrun (a stopping worker does): the
@@ -149,7 +153,7 @@ def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Pa
         # B was cut off, and delivers its attempt's last line late.
         assert await post(tb, 1, "b1-late", seq=2) == (204, "")
         assert await post(ta, 2, "a2") == (204, "")
-        assert await texts() == ["b1", "b1-late", "a2"]
+        assert await texts() == ["b1", "b1-late", RETRY_LINE, "a2"]
         return a, b
 
     a, b = asyncio.run(before_restart())
@@ -162,7 +166,7 @@ def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Pa
         assert [(await post(ta, 1, "forged"))[0], (await post(tb, 2, "forged"))[0]] == [403, 403]
         assert await post(tb, 1, "again-1", seq=3) == (204, "")
         assert await post(ta, 2, "again-2", seq=3) == (204, "")
-        assert await texts() == ["b1", "b1-late", "again-1", "a2", "again-2"]
+        assert await texts() == ["b1", "b1-late", "again-1", RETRY_LINE, "a2", "again-2"]
         # A's job ends; its late lines are answered from the store.
         result = {"job_id": jid, "attempt": 2, "worker_id": a, "outcome": "exited", "exit_code": 0}
         await asgi_request(app, "POST", "/api/v1/tasks/finished", body=result, token=ta)
@@ -176,7 +180,7 @@ def test_a_worker_token_adds_log_lines_only_to_tasks_its_worker_ran(tmp_path: Pa
         with restarted.store.transaction() as tx:
             tx.db.execute("DELETE FROM worker_tokens WHERE worker_id=?", (a,))
         assert (await post(ta, 2, "forged", seq=5))[0] == 403
-        assert await texts() == ["b1", "b1-late", "again-1", "a2", "again-2", "a2-late"]
+        assert await texts() == ["b1", "b1-late", "again-1", RETRY_LINE, "a2", "again-2", "a2-late"]
 
     asyncio.run(after_restart())
     restarted.store.close()

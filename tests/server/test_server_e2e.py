@@ -197,6 +197,8 @@ def test_worker_killed_mid_task_is_retried_elsewhere(tmp_path: Path) -> None:
                     "import os, time; print('on', os.getpid(), flush=True); time.sleep(60)",
                 ],
                 max_retries=1,
+                # At once: a busy worker heartbeats every 5 s, past this server's 1 s.
+                retry_delay=0,
             )
             follow_until(job, "on")
             lost = client.submit(command=[PY, "-c", "import time; time.sleep(60)"])

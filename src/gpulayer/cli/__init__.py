@@ -6,8 +6,19 @@ commands to the ``main`` group of ``root.py`` when imported here.
 
 from __future__ import annotations
 
-from . import jobs, run, server, tokens, worker, workers
+from . import actions, jobs, run, server, tokens, worker, workers
 from .root import _main, main
 from .run import EXIT_CODES
 
-__all__ = ["EXIT_CODES", "_main", "jobs", "main", "run", "server", "tokens", "worker", "workers"]
+__all__ = [
+    "EXIT_CODES",
+    "_main",
+    "actions",
+    "jobs",
+    "main",
+    "run",
+    "server",
+    "tokens",
+    "worker",
+    "workers",
+]

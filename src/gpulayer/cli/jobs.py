@@ -1,76 +1,130 @@
-"""Verbs on jobs: ``jobs``, ``show``, ``logs``, ``cancel``."""
+"""Verbs on jobs: ``jobs``, ``show``, ``logs`` (``cancel`` is in actions.py).
+
+How each prints (terminal, pipe, ``--json``) is output.py's business.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import click
 
+from .. import defaults
+from ..client import Job
+from ..jobs import QUEUED, JobInfo, LogLine
+from . import output
+from .output import Column, Styled
 from .root import _client, main
+
+_JSON_HELP = "Print JSON for scripts (see docs/json-output.md)."
+
+# The columns of `gpulayer jobs`. On a terminal the wide ones are cut to fit;
+# piped, nothing is.
+JOB_COLUMNS = (
+    Column("ID"),
+    Column("USER"),
+    Column("NAME", max_width=28),
+    Column("STATE"),
+    Column("EXIT"),
+    Column("GPUS"),
+    Column("WORKER"),
+    Column("SUBMITTED"),
+    Column("TOOK"),
+    Column("REASON", max_width=40),  # why a queued job waits, as squeue's NODELIST(REASON)
+)
 
 
 @main.command()
 @click.option("--state", "states", multiple=True, help="Only jobs in this state (repeatable).")
-@click.option("--limit", type=int, default=50, show_default=True)
+@click.option(
+    "--label",
+    "labels",
+    multiple=True,
+    metavar="K=V",
+    help="Only jobs with this label (repeatable: all must match).",
+)
+@click.option("--limit", type=int, default=defaults.JOBS_LISTED, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help=_JSON_HELP)
 @click.pass_context
-def jobs(ctx: click.Context, states: tuple[str, ...], limit: int) -> None:
-    """List jobs, newest first."""
-    from rich.console import Console
-    from rich.table import Table
+def jobs(
+    ctx: click.Context,
+    states: tuple[str, ...],
+    labels: tuple[str, ...],
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List jobs, newest first. Piped, one tab-separated line each, nothing cut."""
+    listed = _client(ctx).jobs(state=states or None, limit=limit, labels=_labels(labels))
+    found = [job.info for job in listed]  # a queued one's says why it waits
+    if as_json:
+        output.print_json([output.job_object(info) for info in found])
+    else:
+        output.table(JOB_COLUMNS, [_job_row(info) for info in found])
 
-    table = Table(box=None)
-    for column in ("ID", "USER", "NAME", "STATE", "EXIT", "GPUS", "WORKER", "SUBMITTED", "TOOK"):
-        table.add_column(column, no_wrap=True, max_width=28 if column == "NAME" else None)
-    for job in _client(ctx).jobs(state=states or None, limit=limit):
-        info = job.info
-        took = info.timings().get("total")
-        submitted = info.marks.get("submitted")
-        table.add_row(
-            info.id,
-            info.user or "-",
-            info.spec.name or _what(info.spec),
-            _state(info.state),
-            "" if info.exit_code is None else str(info.exit_code),
-            str(info.spec.gpus),
-            info.worker or "",
-            time.strftime("%m-%d %H:%M:%S", time.localtime(submitted)) if submitted else "",
-            "" if took is None else f"{took:.2f}s",
-        )
-    Console().print(table)
+
+def _labels(values: tuple[str, ...]) -> dict[str, str]:
+    found = {}
+    for value in values:
+        key, sep, rest = value.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected K=V, got {value!r}", param_hint="--label")
+        found[key] = rest
+    return found
+
+
+def _job_row(info: JobInfo) -> list[output.Cell]:
+    took = info.timings().get("total")
+    submitted = info.marks.get("submitted")
+    # A person reads month and time; a program gets the whole date, which sorts.
+    when = "%m-%d %H:%M:%S" if output.to_terminal() else "%Y-%m-%dT%H:%M:%S%z"
+    return [
+        info.id,
+        info.user,
+        info.spec.name or _what(info.spec),
+        _state(info.state),
+        None if info.exit_code is None else str(info.exit_code),
+        str(info.spec.gpus),
+        info.worker,
+        time.strftime(when, time.localtime(submitted)) if submitted else None,
+        None if took is None else f"{took:.2f}s",
+        info.reason if info.state == QUEUED else None,
+    ]
 
 
 def _what(spec: Any) -> str:
-    what = spec.script or " ".join(spec.command or [])
-    return what if len(what) <= 40 else what[:37] + "..."
+    return str(spec.script or " ".join(spec.command or []))
 
 
-def _state(state: str) -> str:
-    colour = {
-        "succeeded": "green",
-        "failed": "red",
-        "running": "cyan",
-        "queued": "yellow",
-        "timed_out": "red",
-        "lost": "red",
-        "cancelled": "magenta",
-    }.get(state, "white")
-    return f"[{colour}]{state}[/]"
+_STATE_COLOURS = {
+    "succeeded": "green",
+    "failed": "red",
+    "running": "cyan",
+    "queued": "yellow",
+    "timed_out": "red",
+    "lost": "red",
+    "cancelled": "magenta",
+}
+
+
+def _state(state: str) -> Styled:
+    return Styled(state, _STATE_COLOURS.get(state, "white"))
 
 
 @main.command()
 @click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help=_JSON_HELP)
 @click.pass_context
-def show(ctx: click.Context, job_id: str) -> None:
+def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
     """Everything about one job, with where its time went."""
-    from rich.console import Console
-    from rich.table import Table
-
     info = _client(ctx).job(job_id).info
-    console = Console()
+    if as_json:
+        output.print_json(output.job_object(info))
+        return
     spec = info.spec
-    rows: Mapping[str, object] = {
+    rows: dict[str, output.Cell | int | float | None] = {
         "id": info.id,
         "user": info.user or "- (submitted before jobs had users, or by an admin without one)",
         "name": spec.name,
@@ -102,25 +156,28 @@ def show(ctx: click.Context, job_id: str) -> None:
         "cpu seconds": f"{info.marks['cpu_s']:.3f}" if "cpu_s" in info.marks else None,
         "peak memory": _mib(info.marks["peak_memory"]) if "peak_memory" in info.marks else None,
     }
-    table = Table(box=None, show_header=False)
-    for key, value in rows.items():
-        if value is not None:
-            table.add_row(f"[bold]{key}", str(value))
-    console.print(table)
+    output.fields(
+        {
+            key: value if isinstance(value, Styled) else str(value)
+            for key, value in rows.items()
+            if value is not None
+        }
+    )
     if info.reason:
-        title = "why it waits" if info.state == "queued" else "reason"
-        console.print(f"[bold]{title}:[/] {info.reason}")
+        output.paragraph("why it waits" if info.state == QUEUED else "reason", info.reason)
     timings = info.timings()
     if timings:
-        t = Table("stage", "seconds", box=None, title="timings")
-        for stage, seconds in timings.items():
-            t.add_row(stage, f"{seconds:.4f}")
-        console.print(t)
+        output.table(
+            (Column("stage"), Column("seconds")),
+            [(stage, f"{seconds:.4f}") for stage, seconds in timings.items()],
+            title="timings",
+        )
     if info.outputs:
-        t = Table("output", "kind", "bytes", "digest", box=None)
-        for path, ref in info.outputs.items():
-            t.add_row(path, ref.kind, str(ref.size), ref.digest[:16])
-        console.print(t)
+        output.table(
+            (Column("output"), Column("kind"), Column("bytes"), Column("digest", max_width=17)),
+            [(path, ref.kind, str(ref.size), ref.digest) for path, ref in info.outputs.items()],
+            title="outputs",
+        )
 
 
 def _mib(size: float) -> str:
@@ -130,19 +187,42 @@ def _mib(size: float) -> str:
 @main.command()
 @click.argument("job_id")
 @click.option("-f", "--follow", is_flag=True, help="Keep streaming until the job ends.")
+@click.option(
+    "--tail",
+    type=click.IntRange(min=0),
+    metavar="N",
+    help="Only the last N lines (with -f: the last N, then what follows).",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="One JSON object per line (see docs/json-output.md)."
+)
 @click.pass_context
-def logs(ctx: click.Context, job_id: str, follow: bool) -> None:
-    """Print a job's output."""
+def logs(ctx: click.Context, job_id: str, follow: bool, tail: int | None, as_json: bool) -> None:
+    """Print a job's output (a distributed job's lines tagged with their rank)."""
     job = _client(ctx).job(job_id)
-    for line in job.stream_logs(follow=follow):
-        click.echo(line.text, err=line.stream != "stdout")
+    per_node = job.info.spec.procs_per_node
+    for line in _lines(job, follow=follow, tail=tail):
+        if as_json:
+            output.print_json_line(output.log_object(line, per_node))
+        else:
+            click.echo(line.render(), err=line.stream != "stdout")
 
 
-@main.command()
-@click.argument("job_id")
-@click.pass_context
-def cancel(ctx: click.Context, job_id: str) -> None:
-    """Cancel a job: queued ones never start, running ones are terminated."""
-    job = _client(ctx).job(job_id)
-    state = job.cancel()
-    click.echo(f"job {job.id}: {state}{' (cancel requested)' if state == 'running' else ''}")
+def _lines(job: Job, *, follow: bool, tail: int | None) -> Iterator[LogLine]:
+    if tail is None:
+        yield from job.stream_logs(follow=follow)
+        return
+    # The client has no tail: read to the end keeping only the last N lines
+    # (memory bounded by N, not by the log), then, to follow, read again
+    # from the start, passing over the lines already read.
+    ended = job.info.done  # then the first read has every line
+    last: deque[LogLine] = deque(maxlen=tail)
+    read = 0
+    for line in job.stream_logs(follow=False):
+        last.append(line)
+        read += 1
+    yield from last
+    if follow and not ended:
+        for index, line in enumerate(job.stream_logs(follow=True)):
+            if index >= read:
+                yield line

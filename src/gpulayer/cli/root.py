@@ -43,7 +43,100 @@ def _client(ctx: click.Context) -> Client:
     return opts["client"]  # type: ignore[no-any-return]
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# The options every command takes, before its name or after it (`gpulayer
+# --server URL jobs` and `gpulayer jobs --server URL`): where they are
+# typed depends on the habit of the one typing.
+GLOBAL_OPTIONS = ("home", "server", "token", "token_file", "ca_file")
+
+
+def _global_option_params() -> list[click.Option]:
+    return [
+        click.Option(
+            ["--home"],
+            envvar="GPULAYER_HOME",
+            type=click.Path(file_okay=False),
+            help="GPUlayer home (embedded mode) [env: GPULAYER_HOME].",
+        ),
+        click.Option(
+            ["--server"],
+            envvar="GPULAYER_SERVER",
+            help="Control-plane URL (server mode) [env: GPULAYER_SERVER].",
+        ),
+        click.Option(
+            ["--token"],
+            help="API token for the server; visible to local users in `ps`: prefer "
+            "$GPULAYER_TOKEN or --token-file.",
+        ),
+        click.Option(
+            ["--token-file"],
+            type=click.Path(dir_okay=False),
+            help="A file holding the API token, readable by its owner only "
+            "(default: $GPULAYER_TOKEN, else $GPULAYER_TOKEN_FILE).",
+        ),
+        click.Option(
+            ["--ca-file"],
+            envvar="GPULAYER_CA_FILE",
+            type=click.Path(dir_okay=False, exists=True),
+            help="CA certificate(s) to trust for an https server (default: the system's) "
+            "[env: GPULAYER_CA_FILE].",
+        ),
+    ]
+
+
+def _given_after(ctx: click.Context, param: click.Parameter, value: object) -> None:
+    """A global option given after a command's name: as if given before it.
+    Given in both places with different values, it is refused."""
+    name = param.name
+    if value is None or name is None:
+        return
+    if ctx.get_parameter_source(name) != click.core.ParameterSource.COMMANDLINE:
+        return  # its default or variable: the group has it already
+    root = ctx.find_root()
+    flag = "--" + name.replace("_", "-")
+    if (
+        root.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+        and root.params[name] != value
+    ):
+        raise click.UsageError(
+            f"{flag} is given twice, before and after `{ctx.command_path.split()[-1]}`, "
+            "with different values: give it once"
+        )
+    obj = root.obj
+    if name in ("token", "token_file"):
+        from ..credentials import ON_COMMAND_LINE, find_token
+
+        if name == "token":
+            click.echo(f"gpulayer: warning: {ON_COMMAND_LINE}", err=True)
+        if obj.get("token_given_as") not in (None, name):
+            raise click.UsageError("give --token or --token-file, not both")
+        obj["token"] = find_token(
+            token=str(value) if name == "token" else None,
+            token_file=str(value) if name == "token_file" else None,
+        )
+        obj["token_on_command_line"] = True
+        obj["token_given_as"] = name
+    else:
+        obj[name] = value
+
+
+class _Group(click.Group):
+    """A group whose every command also takes the global options (those it
+    does not define itself), and whose groups do the same."""
+
+    group_class = type  # subgroups made with @group.group() are _Group too
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        if not isinstance(cmd, click.Group):
+            own = {p.name for p in cmd.params}
+            for param in _global_option_params():
+                if param.name not in own:
+                    param.expose_value = False
+                    param.callback = _given_after
+                    cmd.params.append(param)
+        super().add_command(cmd, name)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--home",
     envvar="GPULAYER_HOME",
@@ -94,6 +187,9 @@ def main(
     found = find_token(token=token, token_file=token_file, forget=worker)
     ctx.obj = {"home": home, "server": server, "token": found, "ca_file": ca_file}
     ctx.obj["token_on_command_line"] = token is not None or token_file is not None
+    ctx.obj["token_given_as"] = (
+        "token" if token is not None else "token_file" if token_file is not None else None
+    )
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("gpulayer: %(message)s"))
     root = logging.getLogger("gpulayer")

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
-from ..client import Job
-from ..errors import SpecError
+from .. import defaults
+from ..client import Client, Job
+from ..errors import GPUlayerError, SpecError
 from .root import _client, main
 
 # How `gpulayer run` exits for each final state (a failed job passes its own code on).
@@ -32,6 +36,7 @@ SUBMIT_KEYS = (
     "launcher",
     "priority",
     "max_retries",
+    "retry_delay",
     "timeout",
     "name",
     "labels",
@@ -49,19 +54,26 @@ def _pairs(values: Sequence[str], option: str) -> dict[str, str]:
 
 
 def _load_yaml(path: str) -> dict[str, Any]:
+    import difflib
+
     import yaml
 
     file = Path(path)
     try:
         data = yaml.safe_load(file.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise SpecError("file", f"cannot read {path}: {exc}") from None
+    except OSError as exc:
+        raise SpecError("file", f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SpecError("file", f"{path} is not valid YAML: {_yaml_error(exc)}") from None
     if not isinstance(data, dict):
         raise SpecError("file", f"{path} must hold a mapping of job fields")
-    unknown = sorted(set(data) - set(SUBMIT_KEYS))
+    unknown = sorted(str(k) for k in set(data) - set(SUBMIT_KEYS))
     if unknown:
+        guess = difflib.get_close_matches(unknown[0], SUBMIT_KEYS, n=1, cutoff=0.6)
+        hint = f"; did you mean {guess[0]!r}?" if guess else ""
         raise SpecError(
-            unknown[0], f"unknown field in {path}; known fields: {', '.join(SUBMIT_KEYS)}"
+            unknown[0],
+            f"unknown field in {path}{hint} (fields: {', '.join(SUBMIT_KEYS)})",
         )
     base = file.resolve().parent
     for key in ("script", "source"):
@@ -72,7 +84,31 @@ def _load_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": True})
+def _yaml_error(exc: Exception) -> str:
+    """A YAML error as "line L, column C: what", lines counted from 1 (the
+    parser's own text names "<unicode string>" for the file)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    what = f"{problem} ({context})" if context else str(problem)
+    if mark is None:
+        return what
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}"
+
+
+class _RunCommand(click.Command):
+    """``run``, which also remembers where ``--`` was: a word after it is
+    the job's, whatever it looks like."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["gpulayer.after_dashes"] = args[args.index("--") + 1 :] if "--" in args else []
+        return super().parse_args(ctx, args)
+
+
+@main.command(
+    cls=_RunCommand,
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": True},
+)
 @click.argument("target", required=False)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.option(
@@ -124,6 +160,13 @@ def _load_yaml(path: str) -> dict[str, Any]:
 )
 @click.option("--priority", type=int, help="Higher runs first.")
 @click.option("--retries", "max_retries", type=int, help="Times to retry a failed or lost job.")
+@click.option(
+    "--retry-delay",
+    type=float,
+    metavar="SECONDS",
+    help="Wait before the first retry, doubled before each next one (default 1 s, "
+    "up to 300 s; 0 retries at once).",
+)
 @click.option("--timeout", type=float, help="Seconds before the job is terminated.")
 @click.option("--name", help="A name for the job.")
 @click.option(
@@ -157,6 +200,7 @@ def run(
     code. GPUlayer's own options may come before or after TARGET; arguments
     it does not know go to the job. After `--`, everything goes to the job.
     """
+    _check_option_words(ctx, target, args)
     fields = _load_yaml(job_file) if job_file else {}
     if target is not None:
         if target.endswith(".py"):
@@ -188,6 +232,7 @@ def run(
         "source",
         "priority",
         "max_retries",
+        "retry_delay",
         "timeout",
         "name",
     ):
@@ -207,11 +252,20 @@ def run(
     if not follow:
         click.echo(job.id)
         return
+    # SIGTERM and SIGHUP (a closed terminal, a `kill`) cancel the job as
+    # Ctrl-C does: the job belongs to this command, and must not run on
+    # unseen once it is gone.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
     try:
-        _stream(job)
+        _stream(job, client)
         state = job.wait()
     except KeyboardInterrupt:
-        click.echo(f"\ngpulayer: cancelling job {job.id}", err=True)
+        # A second signal while it is cancelled: exit now (a server still
+        # cancels it; embedded, the next command ends what is left).
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _exit_now)
+        click.echo(f"\ngpulayer: cancelling job {job.id} (again to exit at once)", err=True)
         state = job.cancel()
         state = job.wait()
     info = job.info
@@ -266,9 +320,81 @@ def _secrets(env_files: Sequence[str], given: Sequence[str]) -> dict[str, str]:
     return found
 
 
-def _stream(job: Job) -> None:
+def _stream(job: Job, client: Client | None = None) -> None:
+    """The job's log lines as they come, until it ends. With ``client``,
+    while it waits to start, why (see _say_why_it_waits)."""
     out, err = sys.stdout, sys.stderr
-    for line in job.stream_logs(follow=True):
-        stream = out if line.stream == "stdout" else err
-        stream.write(line.render() + "\n")
-        stream.flush()
+    started = threading.Event()
+    if client is not None:
+        threading.Thread(
+            target=_say_why_it_waits, args=(client, job.id, started), daemon=True
+        ).start()
+    try:
+        for line in job.stream_logs(follow=True):
+            started.set()
+            stream = out if line.stream == "stdout" else err
+            stream.write(line.render() + "\n")
+            stream.flush()
+    finally:
+        started.set()
+
+
+def _say_why_it_waits(client: Client, job_id: str, started: threading.Event) -> None:
+    """Once a job has waited WAIT_NOTICE_S without starting, say why, and
+    again each time the reason changes, until it starts."""
+    said = None
+    wait = defaults.WAIT_NOTICE_S
+    while not started.wait(wait):
+        wait = defaults.WAIT_RECHECK_S
+        try:
+            info = client.job(job_id).info
+        except GPUlayerError:
+            return  # the main thread says what went wrong
+        if info.state != "queued":
+            return
+        if info.reason and info.reason != said:
+            said = info.reason
+            click.echo(f"gpulayer: job {job_id} waits: {said}", err=True)
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _exit_now(signum: int, _frame: object) -> None:
+    with contextlib.suppress(OSError):
+        os.write(2, b"gpulayer: exiting at once\n")
+    os._exit(130)
+
+
+def _check_option_words(ctx: click.Context, target: str | None, args: Sequence[str]) -> None:
+    """A word before the script that looks like an option is a typo of
+    GPUlayer's (refused, with the closest option); one after the script is
+    the script's, but a close match to one of GPUlayer's is warned of."""
+    import difflib
+
+    after_dashes = ctx.meta.get("gpulayer.after_dashes", [])
+    words = ([target] if target is not None else []) + list(args)
+    # Those after `--` are the job's, unexamined.
+    mine = words[: len(words) - len(after_dashes)] if after_dashes else words
+    names = sorted(
+        {o for p in ctx.command.params for o in [*p.opts, *p.secondary_opts] if o.startswith("--")}
+    )
+
+    def closest(word: str) -> str | None:
+        found = difflib.get_close_matches(word.split("=", 1)[0], names, n=1, cutoff=0.75)
+        return found[0] if found else None
+
+    if target is not None and mine and mine[0] == target and target.startswith("-"):
+        guess = closest(target)
+        hint = f"; did you mean {guess}?" if guess else ""
+        raise click.UsageError(
+            f"no such option: {target}{hint} (a command that starts with '-' goes after --)"
+        )
+    for word in mine[1:]:
+        if word.startswith("--") and (guess := closest(word)) is not None:
+            click.echo(
+                f"gpulayer: warning: {word} goes to the job, not to GPUlayer; did you mean "
+                f"{guess}? (GPUlayer's options may come before or after the script)",
+                err=True,
+            )

@@ -30,7 +30,6 @@ from ..errors import (
 )
 from ..jobs import (
     RUNNING,
-    STATES,
     WORKER_DIED,
     WORKER_STOPPED,
     JobInfo,
@@ -42,6 +41,7 @@ from ..service import ControlPlane
 from ..service.blobs import worker_reader
 from ..service.state import Delivery
 from ..signals import Unsubscribe
+from ..transport import check_job_filter, label_pairs
 from . import auth
 from .handling import (
     CALLER,
@@ -174,12 +174,15 @@ class Api:
 
     async def list_jobs(self, request: Request) -> Response:
         states = request.query.get("state", [])
-        for state in states:
-            if state not in STATES:
-                raise ApiError(422, f"unknown state {state!r}; valid states: {', '.join(STATES)}")
+        try:  # the words a client checking first, and embedded, give
+            labels = label_pairs(request.query.get("label", []), "query parameter label")
+            check_job_filter(states, labels)
+        except GPUlayerError as exc:
+            raise ApiError(422, str(exc)) from None
         limit = query_int(request, "limit", 100, low=1, high=defaults.LIST_JOBS_MAX)
+        viewer = viewer_of(request)  # only the caller's jobs, as without a filter
         return json_response(
-            self.plane.list_jobs(states=states, limit=limit, viewer=viewer_of(request))
+            self.plane.list_jobs(states=states, limit=limit, viewer=viewer, labels=labels)
         )
 
     # Each endpoint on one job finds it through the control plane with the
@@ -631,7 +634,7 @@ def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: b
         ("GET", "/openapi.json", g(None, api.openapi, None)),
         ("GET", "/metrics", g(user, api.metrics_text, None)),
         ("POST", f"{v1}/jobs", g(user, api.submit)),
-        ("GET", f"{v1}/jobs", g(user, api.list_jobs, ("state", "limit"))),
+        ("GET", f"{v1}/jobs", g(user, api.list_jobs, ("state", "limit", "label"))),
         ("GET", f"{v1}/jobs/{{job_id}}", g(user, api.get_job)),
         ("POST", f"{v1}/jobs/wait", g(user, api.wait_jobs, ("timeout",))),
         ("POST", f"{v1}/jobs/{{job_id}}/wait", g(user, api.wait_job, ("timeout",))),

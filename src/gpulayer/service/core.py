@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import heapq
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -22,9 +24,9 @@ import msgspec
 
 from .. import defaults, jobs
 from ..errors import StoreError
-from ..jobs import CancelTask, JobInfo, RunTask, TaskResult
+from ..jobs import CancelTask, JobInfo, LogLine, RunTask, TaskResult
 from ..outputs import UnsafeOutputError, check_result
-from ..scheduler import Assignment, Request, place
+from ..scheduler import Assignment, Request, place, retry_wait
 from ..secretbox import SecretBox, redacted
 from ..signals import Signal
 from ..store import Store, Transaction
@@ -43,6 +45,14 @@ from .state import (
 )
 
 log = logging.getLogger(__name__)
+
+# A back-off timer never fires sooner than this (a clock a test holds still,
+# a wait already over): it cannot spin.
+_RETRY_TIMER_MIN_S = 0.01
+# After the store refused placing what a back-off released, try again in this.
+_RETRY_STORE_AGAIN_S = 1.0
+# The reason a retry's log line gives is cut to this many characters.
+_RETRY_WHY_MAX = 200
 
 
 class PlaneCore:
@@ -78,6 +88,12 @@ class PlaneCore:
         # and a final record never changes.
         self._finished: OrderedDict[str, JobInfo] = OrderedDict()
         self._listed = ListedBlobs(defaults.MANIFEST_DIGESTS_KEPT)  # see may_fetch
+        # Retries backing off (see _arm_retry): when each may be placed (a
+        # heap), and the one timer, for the earliest.
+        self._wakeups: list[float] = []
+        self._retry_timer: threading.Timer | None = None
+        self._retry_due = math.inf
+        self._timers_stopped = False
         self._seq = max((j.seq for j in store.list_jobs(limit=1)), default=0)
 
     def _conclude(
@@ -121,9 +137,13 @@ class PlaneCore:
         marks["finished"] = now
         self._release(job_id)
         given_back_before = run.given_back
+        # A retry that counts backs off; one given back unrun goes at once.
+        retry_at = None
+        if again and given_back == given_back_before:
+            retry_at = now + retry_wait(run.spec.retry_delay, run.attempt - given_back)
         if again:
             run.given_back = given_back
-            self._requeue(job_id, run)
+            self._requeue(job_id, run, not_before=retry_at or 0.0)
         try:
             assignments = self._plan()
             with self.store.transaction() as tx:
@@ -134,10 +154,14 @@ class PlaneCore:
                             f"queued again after attempt {run.attempt}, not counted as one: {reason}"
                             if given_back > given_back_before
                             else f"retrying after attempt {run.attempt} {state}: {reason}"
+                            + _backing_off(retry_at, now)
                         ),
                         owner=self.instance_id,
                         given_back=given_back,
+                        retry_at=retry_at,
                     )
+                    if retry_at is not None:
+                        self._say_retry(tx, job_id, run, reason or state, retry_at - now, now)
                 else:
                     tx.finish(
                         job_id,
@@ -295,6 +319,67 @@ class PlaneCore:
         req = pending.request
         self._queue[req.job_id] = pending
         bisect.insort(self._order, (-req.priority, req.seq, req.job_id))
+        if req.not_before > self._clock():
+            self._arm_retry(req.not_before)
+
+    def _arm_retry(self, at: float) -> None:
+        """Run a placement pass at ``at``, when a retry's back-off ends.
+
+        Placement otherwise runs only on events (a submit, a task's end, a
+        worker's arrival); a job backing off is passed over by each (see
+        scheduler rule 6), so nothing polls for it: one timer, for the
+        earliest back-off to end, places it then."""
+        if self._timers_stopped:
+            return
+        heapq.heappush(self._wakeups, at)
+        if self._retry_timer is not None:
+            if self._retry_due <= at:
+                return
+            self._retry_timer.cancel()
+        delay = max(_RETRY_TIMER_MIN_S, at - self._clock())
+        timer = threading.Timer(delay, self._back_off_ended)
+        timer.args = (timer,)
+        # A control plane left open (a test's) must not keep its process alive.
+        timer.daemon = True
+        self._retry_timer, self._retry_due = timer, at
+        timer.start()
+
+    def _back_off_ended(self, timer: threading.Timer) -> None:
+        with self._lock:
+            if self._retry_timer is not timer or self._timers_stopped:
+                return  # replaced by an earlier one, or shutting down
+            self._retry_timer, self._retry_due = None, math.inf
+            now = self._clock()
+            while self._wakeups and self._wakeups[0] <= now:
+                heapq.heappop(self._wakeups)
+            try:
+                assignments = self._plan()
+                if assignments:
+                    with self.store.transaction() as tx:
+                        self._record(tx, assignments, now)
+                    self._dispatch(assignments, now)
+            except StoreError as exc:
+                log.warning(
+                    "placing jobs whose retry back-off ended failed: %s; trying again in %g s",
+                    exc,
+                    _RETRY_STORE_AGAIN_S,
+                )
+                heapq.heappush(self._wakeups, now + _RETRY_STORE_AGAIN_S)
+            except Exception as exc:  # a store closed under it: this thread must not die loud
+                log.warning("placing jobs whose retry back-off ended failed: %s", exc)
+                return
+            if self._wakeups:
+                self._arm_retry(heapq.heappop(self._wakeups))
+
+    def _stop_timers(self) -> threading.Timer | None:
+        """No more back-off timers (the control plane is shutting down); the
+        one pending, cancelled, for the caller to join once it has let go of
+        the lock."""
+        self._timers_stopped = True
+        timer, self._retry_timer = self._retry_timer, None
+        if timer is not None:
+            timer.cancel()
+        return timer
 
     def _dequeue(self, job_id: str) -> Pending:
         pending = self._queue.pop(job_id)
@@ -312,7 +397,8 @@ class PlaneCore:
         caps = [w.capacity() for w in self._open_workers() if w.free]
         if not caps:
             return []
-        return place((self._queue[key[2]].request for key in self._order), caps)
+        requests = (self._queue[key[2]].request for key in self._order)
+        return place(requests, caps, self._clock())
 
     def _record(self, tx: Transaction, assignments: list[Assignment], now: float) -> None:
         """Store placements. One whose job is no longer queued in the store (a
@@ -429,11 +515,26 @@ class PlaneCore:
             worker.free.update(s for s in task.slots if s < count)
             worker.running.discard(job_id)
 
-    def _requeue(self, job_id: str, run: Running) -> None:
+    def _requeue(self, job_id: str, run: Running, *, not_before: float = 0.0) -> None:
         spec = run.spec
-        request = Request(job_id, spec.priority, run.seq, spec.gpus, spec.nodes)
+        request = Request(job_id, spec.priority, run.seq, spec.gpus, spec.nodes, not_before)
         submitted = run.marks["submitted"]
         self._enqueue(Pending(request, spec, run.attempt, submitted, run.given_back, run.user))
+
+    def _say_retry(
+        self, tx: Transaction, job_id: str, run: Running, why: str, wait: float, now: float
+    ) -> None:
+        """The line that opens a retry's attempt in the job's log (a follower
+        sees where one attempt ends and the next begins, and why)."""
+        after = why.splitlines()[0] if why.strip() else "it failed"
+        if len(after) > _RETRY_WHY_MAX:
+            after = after[: _RETRY_WHY_MAX - 3] + "..."
+        text = (
+            f"gpulayer: attempt {run.counted + 1} of {run.spec.max_retries + 1} (after: {after}), "
+            + (f"waiting {wait:.1f} s" if wait > 0 else "at once")
+        )
+        # Numbered 0: the attempt's own lines (its worker's) start at 1.
+        tx.append_logs(job_id, run.attempt + 1, [LogLine(0, now, "system", text)])
 
     def _end_lost(
         self,
@@ -456,8 +557,15 @@ class PlaneCore:
             ended.append(job_id)
             return
         if run.counted <= run.spec.max_retries:
-            self._requeue(job_id, run)
-            tx.requeue(job_id, reason=f"retrying: {reason}", owner=self.instance_id)
+            retry_at = now + retry_wait(run.spec.retry_delay, run.counted)
+            self._requeue(job_id, run, not_before=retry_at)
+            tx.requeue(
+                job_id,
+                reason=f"retrying: {reason}{_backing_off(retry_at, now)}",
+                owner=self.instance_id,
+                retry_at=retry_at,
+            )
+            self._say_retry(tx, job_id, run, reason, retry_at - now, now)
         else:
             self._finish_no_result(tx, job_id, jobs.LOST, reason, now)
             ended.append(job_id)
@@ -483,6 +591,13 @@ class PlaneCore:
         logs = self._logs.pop(job_id, None)
         if logs is not None:
             logs.fire()
+
+
+def _backing_off(retry_at: float | None, now: float) -> str:
+    """What a queued job's reason adds while it waits out a retry's back-off."""
+    if retry_at is None or retry_at <= now:
+        return ""
+    return f" (back-off: placed again after {retry_at - now:.1f} s)"
 
 
 def refuse_unsafe_outputs(

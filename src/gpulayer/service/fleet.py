@@ -310,6 +310,9 @@ class Fleet(BlobReaders):
         with self._lock:
             for worker in self._workers.values():
                 _close(worker)
+            timer = self._stop_timers()
+        if timer is not None:  # joined unlocked: its callback may be waiting for the lock
+            timer.join()
 
     def acquire(
         self, worker_id: str, timeout: float = defaults.ACQUIRE_TIMEOUT_S

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from .. import defaults, jobs
 from ..access import Viewer, local_viewer, may_see, sees_all
@@ -21,6 +21,7 @@ from ..scheduler import Capacity, Request, explain
 from ..secretbox import redacted
 from ..signals import Signal, Unsubscribe, wait_on
 from ..spec import JobSpec, parse_spec
+from ..transport import check_job_filter
 from .fleet import Fleet
 from .recovery import Recovery
 from .state import Done, Pending, Snapshot, task_infos
@@ -163,14 +164,17 @@ class ControlPlane(Fleet, Recovery):
         with self._lock:
             pending = self._queue.get(job.id)
             if pending is not None:
-                return explain(pending.request, [w.capacity() for w in self._open_workers()])
+                caps = [w.capacity() for w in self._open_workers()]
+                return explain(pending.request, caps, self._clock())
         # Queued by another process on this home: judge by the workers on record.
         spec = job.spec
         caps = [
             Capacity(w.id, tuple(w.slot_gpus), frozenset(range(len(w.slot_gpus))))
             for w in self.store.list_workers()
         ]
-        return explain(Request(job.id, spec.priority, job.seq, spec.gpus, spec.nodes), caps)
+        retry_at = job.marks.get("retry_at", 0.0)
+        request = Request(job.id, spec.priority, job.seq, spec.gpus, spec.nodes, retry_at)
+        return explain(request, caps, self._clock())
 
     def list_jobs(
         self,
@@ -178,10 +182,20 @@ class ControlPlane(Fleet, Recovery):
         states: Iterable[str] = (),
         limit: int | None = None,
         viewer: Viewer | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> list[JobInfo]:
-        """The jobs ``viewer`` may see, newest first."""
+        """The jobs ``viewer`` may see, newest first; with ``labels``, only
+        those carrying every one. A filter that cannot match (an unknown
+        state) is an error, not an empty list."""
+        states = list(states)
+        labels = dict(labels or {})
+        check_job_filter(states, labels)
         only = (viewer or local_viewer()).only
-        return [redacted(j) for j in self.store.list_jobs(states=states, limit=limit, user=only)]
+        found = self.store.list_jobs(states=states, limit=limit, user=only, labels=labels)
+        for job in found:  # why each queued one waits, as get() says it
+            if job.state == jobs.QUEUED and job.reason is None:
+                job.reason = self._why_waiting(job)
+        return [redacted(j) for j in found]
 
     def wait(
         self, job_id: str, timeout: float | None = None, viewer: Viewer | None = None

@@ -1,7 +1,7 @@
 """Taking over from a control plane that died.
 
-Embedded, the processes of its running jobs outlived it: they are ended and
-the jobs retried or ended ``lost``. A server's workers outlive it: on restart
+Embedded, the processes of its running jobs outlived it: they are ended, and
+every job it had not finished ends ``lost``. A server's workers outlive it: on restart
 their jobs stay running, and the workers have the heartbeat timeout to
 register again and say what they still run.
 """
@@ -16,6 +16,12 @@ from ..scheduler import Request
 from .core import PlaneCore
 from .state import LiveWorker, NodeTask, Pending, Running
 
+# Why an embedded job whose process died is lost (see recover).
+EMBEDDED_ENDED = (
+    "the GPUlayer process that submitted it ended (an embedded job runs only while "
+    "that process does)"
+)
+
 
 class Recovery(PlaneCore):
     # ---- recovery ------------------------------------------------------
@@ -23,12 +29,16 @@ class Recovery(PlaneCore):
     def recover(self, dead_instance: str, *, workers_outlive: bool = False) -> list[str]:
         """Take over the jobs of a control plane that died; returns their ids.
 
-        Its queued jobs queue here. Its running jobs depend on where they ran:
-        on workers inside the dead process (embedded), they died with it, so
-        their process trees are ended and they are retried within budget or
-        end ``lost``. On remote workers (a server restart, ``workers_outlive``)
-        they may still be running: they stay running here, and their workers
-        have the heartbeat timeout to come back and say so.
+        A server's (``workers_outlive``: a restart): its queued jobs queue
+        here; its running ones, on remote workers, may still be running:
+        they stay running here, and their workers have the heartbeat timeout
+        to come back and say so.
+
+        An embedded one's (the process that submitted them): each unfinished
+        job ends ``lost``, its process trees ended, and none is retried or
+        run here. An embedded job runs only while the process that
+        submitted it does; another command on the same home, perhaps much
+        later and about something else, must not run it unasked (ADR-0021).
         """
         now = self._clock()
         touched: list[str] = []
@@ -45,23 +55,31 @@ class Recovery(PlaneCore):
                     touched.append(job.id)
                     if workers_outlive:
                         continue
-                    reason = f"the GPUlayer process running it died (instance {dead_instance})"
-                    if job.counted <= job.spec.max_retries:
-                        tx.requeue(job.id, reason=f"retrying: {reason}", owner=self.instance_id)
-                    else:
+                    tx.finish(
+                        job.id,
+                        state=jobs.LOST,
+                        exit_code=None,
+                        reason=f"{EMBEDDED_ENDED} while it ran",
+                        marks={"finished": now},
+                        outputs={},
+                    )
+                if not workers_outlive:
+                    for job in self.store.list_jobs(states=[jobs.QUEUED], owner=dead_instance):
+                        touched.append(job.id)
                         tx.finish(
                             job.id,
                             state=jobs.LOST,
                             exit_code=None,
-                            reason=reason,
+                            reason=f"{EMBEDDED_ENDED} before it started",
                             marks={"finished": now},
                             outputs={},
                         )
                 touched += tx.adopt(dead_instance, self.instance_id, workers=workers_outlive)
             for job in self.store.list_jobs(states=[jobs.QUEUED], owner=self.instance_id):
                 if job.id not in self._queue:
+                    spec, retry_at = job.spec, job.marks.get("retry_at", 0.0)  # a back-off holds
                     request = Request(
-                        job.id, job.spec.priority, job.seq, job.spec.gpus, job.spec.nodes
+                        job.id, spec.priority, job.seq, spec.gpus, spec.nodes, retry_at
                     )
                     submitted = job.marks.get("submitted", now)
                     self._enqueue(

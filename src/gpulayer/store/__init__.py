@@ -9,7 +9,7 @@ nothing above this package changes. Writes happen inside
 from __future__ import annotations
 
 import abc
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 
 from ..jobs import JobInfo, LogLine, TaskInfo, TaskResult, WorkerInfo
@@ -87,10 +87,18 @@ class Transaction(abc.ABC):
         owner: str,
         attempt: int | None = None,
         given_back: int | None = None,
+        retry_at: float | None = None,
     ) -> None:
         """Queue a job again; ``attempt``, if given, is the attempts it has made
         (one placement did not count); ``given_back``, if given, how many of
-        them were given back unrun and do not count against its retries."""
+        them were given back unrun and do not count against its retries;
+        ``retry_at``, if given, when its back-off ends (kept as its mark
+        ``retry_at``, so that it holds through a restart)."""
+
+    @abc.abstractmethod
+    def append_logs(self, job_id: str, attempt: int, lines: Sequence[LogLine]) -> None:
+        """Lines the control plane itself adds to a job's log (stream
+        ``system``), in the same commit as the step they tell of."""
 
     @abc.abstractmethod
     def request_cancel(self, job_id: str) -> None: ...
@@ -145,9 +153,11 @@ class Store(abc.ABC):
         owner: str | None = None,
         user: str | None = None,
         limit: int | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> list[JobInfo]:
         """Jobs, newest first; with ``owner``, only that control-plane
-        instance's; with ``user``, only that user's."""
+        instance's; with ``user``, only that user's; with ``labels``, only
+        those whose spec carries every one of them (key and value exactly)."""
 
     @abc.abstractmethod
     def append_logs(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -224,6 +224,7 @@ class _SqliteTransaction(Transaction):
         owner: str,
         attempt: int | None = None,
         given_back: int | None = None,
+        retry_at: float | None = None,
     ) -> None:
         # Who ran the attempt that ended, for its late log lines (see
         # task_worker): the row names only the current attempt's workers. An
@@ -243,9 +244,25 @@ class _SqliteTransaction(Transaction):
         self.db.execute(
             "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, pid_created=NULL, tasks=NULL, owner=?, "
             "reason=?, attempt=COALESCE(?, attempt), given_back=COALESCE(?, given_back), "
-            "marks=json_object('submitted', json_extract(marks, '$.submitted')) WHERE id=?",
-            (owner, reason, attempt, given_back, job_id),
+            "marks=json_patch(json_object('submitted', json_extract(marks, '$.submitted')), ?) "
+            "WHERE id=?",
+            (
+                owner,
+                reason,
+                attempt,
+                given_back,
+                _encode({} if retry_at is None else {"retry_at": retry_at}).decode(),
+                job_id,
+            ),
         )
+
+    def append_logs(self, job_id: str, attempt: int, lines: Sequence[LogLine]) -> None:
+        if lines:
+            self.db.execute(
+                "INSERT OR REPLACE INTO log_batches (job_id, attempt, first_seq, last_seq, lines) "
+                "VALUES (?,?,?,?,?)",
+                (job_id, attempt, lines[0].seq, lines[-1].seq, _encode(lines)),
+            )
 
     def cancel_queued(self, job_id: str, at: float) -> bool:
         return (
@@ -453,6 +470,7 @@ class SqliteStore(Store):
         owner: str | None = None,
         user: str | None = None,
         limit: int | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> list[JobInfo]:
         where: list[str] = []
         params: list[object] = []
@@ -466,6 +484,16 @@ class SqliteStore(Store):
         if user is not None:
             where.append("user_name = ?")
             params.append(user)
+        for key, value in (labels or {}).items():
+            # Keys and values are bound, never spliced into a JSON path: a
+            # key may hold any character ('.', '"', ']'). The spec is JSON
+            # text kept as a BLOB; cast, since SQLite 3.45 reads a BLOB
+            # given to its JSON functions as its binary JSONB.
+            where.append(
+                "EXISTS (SELECT 1 FROM json_each(CAST(jobs.spec AS TEXT), '$.labels') "
+                "WHERE key = ? AND value = ?)"
+            )
+            params.extend((key, value))
         sql = f"SELECT {_JOB_COLUMNS} FROM jobs"
         if where:
             sql += " WHERE " + " AND ".join(where)

@@ -13,8 +13,62 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from ..artifacts import ArtifactStore
-from ..jobs import Instruction, JobInfo, LogChunk, LogLine, TaskResult, TaskStarted, WorkerInfo
-from ..spec import JobSpec
+from ..errors import GPUlayerError
+from ..jobs import (
+    STATES,
+    Instruction,
+    JobInfo,
+    LogChunk,
+    LogLine,
+    TaskResult,
+    TaskStarted,
+    WorkerInfo,
+)
+from ..spec import MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS, MAX_LABELS, JobSpec
+
+
+def check_job_filter(states: Iterable[str], labels: Mapping[str, str]) -> None:
+    """The filters of a listing (:meth:`Transport.list_jobs`), checked alike
+    by the client, embedded and by a server, so that a typo gets the same
+    words everywhere rather than an empty list. Raises GPUlayerError."""
+    for state in states:
+        if state not in STATES:
+            raise GPUlayerError(f"unknown state {state!r}; states are: {', '.join(STATES)}")
+    # A job carries at most MAX_LABELS labels: a filter of more matches none,
+    # and each label is one more bound parameter in the store's query.
+    if len(labels) > MAX_LABELS:
+        raise GPUlayerError(f"at most {MAX_LABELS} labels to filter by, got {len(labels)}")
+    for key, value in labels.items():
+        if not key:
+            raise GPUlayerError(f"a label to filter by needs a key, got {'=' + value!r}")
+        for part, text, most in (
+            ("key", key, MAX_LABEL_KEY_CHARS),
+            ("value", value, MAX_LABEL_VALUE_CHARS),
+        ):
+            if len(text) > most:
+                raise GPUlayerError(
+                    f"label {key[:64]!r} to filter by: its {part} has {len(text)} characters; "
+                    f"a label's {part} has at most {most}, so no job carries it"
+                )
+        if "\x00" in key + value:
+            raise GPUlayerError(f"label {key[:64]!r} holds a NUL character, which no label can")
+
+
+def label_pairs(items: Iterable[str], where: str = "--label") -> dict[str, str]:
+    """``KEY=VALUE`` texts (a command line's, a query string's) as a label
+    filter; GPUlayerError naming ``where`` for one that is not."""
+    found: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise GPUlayerError(f"{where} takes KEY=VALUE, got {item!r}")
+        if key in found and found[key] != value:
+            raise GPUlayerError(
+                f"{where} {key}= given twice ({found[key]!r} and {value!r}); "
+                "a job carries one value for each label"
+            )
+        found[key] = value
+    return found
 
 
 class Transport(abc.ABC):
@@ -27,8 +81,14 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def list_jobs(
-        self, *, states: Iterable[str] = (), limit: int | None = None
-    ) -> list[JobInfo]: ...
+        self,
+        *,
+        states: Iterable[str] = (),
+        limit: int | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> list[JobInfo]:
+        """Jobs newest first; with ``labels``, only those carrying every one
+        (key and value exactly). See :func:`check_job_filter`."""
 
     @abc.abstractmethod
     def wait(self, job_id: str, timeout: float | None) -> JobInfo: ...
@@ -131,4 +191,4 @@ class Transport(abc.ABC):
         """Release connections; the default holds none."""
 
 
-__all__ = ["Transport"]
+__all__ = ["Transport", "check_job_filter", "label_pairs"]

@@ -303,10 +303,18 @@ class HttpTransport(Transport):
     def get_job(self, job_id: str) -> JobInfo:
         return self._call("GET", f"/api/v1/jobs/{_q(job_id)}", JobInfo)
 
-    def list_jobs(self, *, states: Iterable[str] = (), limit: int | None = None) -> list[JobInfo]:
+    def list_jobs(
+        self,
+        *,
+        states: Iterable[str] = (),
+        limit: int | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> list[JobInfo]:
         query: dict[str, Any] = {"state": list(states)}
         if limit is not None:
             query["limit"] = limit
+        if labels:  # label=KEY=VALUE, once for each
+            query["label"] = [f"{key}={value}" for key, value in labels.items()]
         return self._call("GET", "/api/v1/jobs", list[JobInfo], query=query)
 
     def wait(self, job_id: str, timeout: float | None) -> JobInfo:

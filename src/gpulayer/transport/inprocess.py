@@ -35,8 +35,14 @@ class InProcessTransport(Transport):
     def get_job(self, job_id: str) -> JobInfo:
         return self.plane.get(job_id)
 
-    def list_jobs(self, *, states: Iterable[str] = (), limit: int | None = None) -> list[JobInfo]:
-        return self.plane.list_jobs(states=states, limit=limit)
+    def list_jobs(
+        self,
+        *,
+        states: Iterable[str] = (),
+        limit: int | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> list[JobInfo]:
+        return self.plane.list_jobs(states=states, limit=limit, labels=labels)
 
     def wait(self, job_id: str, timeout: float | None) -> JobInfo:
         return self.plane.wait(job_id, timeout)
