@@ -7,6 +7,7 @@ a misspelt one is caught, not handed to the job.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -129,6 +130,11 @@ def test_a_job_that_cannot_start_says_why_it_waits(home: Path) -> None:
     try:
         line = said(proc, "waits:")
         assert "needs 1 GPU" in line, line
+        # Another process on the home (a second terminal) gives the same reason.
+        job_id = line.split()[2]
+        shown = _gl(home, "show", job_id, "--json")
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["reason"] == line.split("waits: ", 1)[1].strip()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 130
     finally:

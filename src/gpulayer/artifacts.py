@@ -10,7 +10,8 @@ The root and every folder in it are the owner's alone (0700): see DIR_MODE.
 A blob is written to ``tmp/``, flushed with ``fsync`` and renamed into place,
 so a reader never sees a half-written blob under its final name, and two
 writers of the same content both succeed (the second finds it already there).
-Blobs are never modified after the rename. A blob is handed to a job by hard
+Blobs are never modified after the rename (only their mtime, which says
+when one was last looked up: see USED_MARK_S). A blob is handed to a job by hard
 link only where the job's Unix user cannot write it (see
 :meth:`ArtifactStore.materialize`): read-only is no protection against the
 blob's owner, who may ``chmod`` it back.
@@ -44,6 +45,13 @@ BLOB_MODE = 0o444
 # workspace: a link is read by its inode's mode, not through the folders of
 # the path it was made from.
 DIR_MODE = 0o700
+
+# A blob that is looked up (``has``: every submit asks for each blob it
+# names) gets its mtime set to now when it is older than this, so ``gc``
+# (gc.py), which keeps every blob touched within defaults.HOME_GC_RECENT_S, never
+# removes a blob a submit in flight found here and is about to name. Marked
+# at most once an hour: a lookup is a stat, not a write, almost always.
+USED_MARK_S = 3600
 
 # Read/write granularity when streaming a file into the store or hashing it.
 _CHUNK = 1024 * 1024
@@ -215,8 +223,20 @@ class ArtifactStore:
         _check_digest(digest)
         return self._blobs / digest[:2] / digest
 
+    @property
+    def blob_dir(self) -> Path:
+        """``sha256/``: the blobs, one folder per first two hex digits."""
+        return self._blobs
+
+    @property
+    def tmp_dir(self) -> Path:
+        """``tmp/``: blobs being written."""
+        return self._tmp
+
     def has(self, digest: str) -> bool:
-        return os.path.exists(self.path(digest))
+        """Whether the blob is stored. A blob found here is kept from ``gc``
+        for a day (see USED_MARK_S): its mtime is when it was last found."""
+        return _mark_used(self.path(digest))
 
     def close_to_others(self) -> None:
         """Make the root (if missing) and set it to DIR_MODE: a store made
@@ -264,7 +284,7 @@ class ArtifactStore:
         """Move a fully written temp file into place as blob ``digest``; consumes fd and tmp."""
         final = self.path(digest)
         try:
-            if os.path.exists(final):
+            if _mark_used(final):
                 # Keep the existing blob (and its inode, which workspaces may
                 # link to); ours is a duplicate.
                 os.close(fd)
@@ -501,6 +521,24 @@ def hard_link(src: Path | str, dst: Path | str) -> bool:
         if e.errno in _LINK_FALLBACK_ERRNOS:
             return False
         raise
+    return True
+
+
+def _mark_used(path: Path) -> bool:
+    """Whether the blob at ``path`` is there; its mtime set to now if it is
+    older than USED_MARK_S. One call: if gc takes the blob away meanwhile,
+    the mark fails and the blob reads as missing, so it is stored again."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if time.time_ns() - st.st_mtime_ns > USED_MARK_S * 1_000_000_000:
+        try:
+            os.utime(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False  # removed meanwhile (by gc): to be stored again
+        except OSError:
+            pass  # a store this user may not touch: it reads it, never cleans it
     return True
 
 

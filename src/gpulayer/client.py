@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import re
 import shutil
@@ -52,6 +53,24 @@ def _no_progress(total: int, label: str) -> AbstractContextManager[Callable[[int
     return nullcontext(lambda n: None)
 
 
+def _give_up(given: float | None) -> float:
+    """How long a long poll rides out a server that is away (see Client)."""
+    name = "GPULAYER_RECONNECT_GIVE_UP_S"
+    where = "reconnect_give_up"
+    if given is None:
+        raw = os.environ.get(name, "")
+        if not raw.strip():
+            return defaults.RECONNECT_GIVE_UP_S
+        where = f"${name}"
+        try:
+            given = float(raw)
+        except ValueError:
+            raise GPUlayerError(f"{where} must be a number of seconds, got {raw!r}") from None
+    if not 0 <= given < math.inf:  # NaN fails this too
+        raise GPUlayerError(f"{where} must be a number of seconds, 0 or more, got {given!r}")
+    return given
+
+
 class Client:
     """A connection to a control plane: embedded (the default) or a server.
 
@@ -59,6 +78,11 @@ class Client:
     the GPUlayer home (``home``, else ``$GPULAYER_HOME``, else ``~/.gpulayer``).
     With ``auto_worker`` (the default) an embedded client starts one local
     worker at its first submit if none runs; ``ensure_local_workers`` starts more.
+
+    Against a server, waiting for a job and following its logs ride out the
+    server restarting or a dropped connection for ``reconnect_give_up``
+    seconds in all (else ``$GPULAYER_RECONNECT_GIVE_UP_S``, else
+    ``defaults.RECONNECT_GIVE_UP_S``), then raise ServerUnreachable.
     """
 
     def __init__(
@@ -70,6 +94,7 @@ class Client:
         auto_worker: bool = True,
         progress: Progress | None = None,
         ca_file: str | os.PathLike[str] | None = None,
+        reconnect_give_up: float | None = None,
     ) -> None:
         url = url or os.environ.get("GPULAYER_SERVER")
         self._progress = progress or _no_progress
@@ -96,7 +121,10 @@ class Client:
             ca = ca_file or os.environ.get("GPULAYER_CA_FILE")
             self._ca_file = str(ca) if ca else None
             self._transport: Transport = HttpTransport(
-                url, token=self._token, ca_file=self._ca_file
+                url,
+                token=self._token,
+                ca_file=self._ca_file,
+                reconnect_give_up=_give_up(reconnect_give_up),
             )
             return
         from .embedded import Embedded
@@ -356,12 +384,28 @@ class Client:
         if spec.bundle is not None:
             stored.append(spec.bundle)
         gone = self._transport.missing_blobs(stored)
+        if not gone:
+            # And each file their manifests list: a lookup also tells a
+            # concurrent `gpulayer gc` that the blob is in use (gc.py).
+            trees = [spec.bundle] if spec.bundle is not None else []
+            trees += [ref.digest for ref in spec.inputs.values() if ref.kind == "dir"]
+            files = {e.digest for d in trees for e in self._manifest(d).entries if e.digest}
+            if self._transport.missing_blobs(files):
+                gone = set(trees)
         if gone:
             raise ArtifactError(
                 f"job {old.id}'s {'bundle' if spec.bundle in gone else 'inputs'} are no longer "
                 "stored (freed since it ran?); submit it again from its files; nothing was submitted"
             )
         return self._submit_spec(parse_spec(spec))
+
+    def _manifest(self, digest: str) -> bundle.Manifest:
+        """The bundle manifest ``digest``, fetched into this client's cache if need be."""
+        from .artifacts import ArtifactStore
+
+        cache = ArtifactStore(self.home / "artifacts")
+        self._transport.download_blob(digest, cache)
+        return bundle.load(cache, digest)
 
     def _resolve_source(
         self,
@@ -653,6 +697,7 @@ class Job:
 
         A final record never changes: a job already known to have ended (its
         end came with the reply to a wait on another job) costs no request.
+        Against a server, it rides out the server restarting (see Client).
         """
         if not self.info.done:
             self.info = self._client._wait(self, timeout)
@@ -665,7 +710,8 @@ class Job:
         return self.info.state
 
     def stream_logs(self, *, follow: bool = True, poll: float = 30.0) -> Iterator[LogLine]:
-        """Yield log lines; with ``follow``, until the job ends."""
+        """Yield log lines; with ``follow``, until the job ends (riding out a
+        server restart: each line still comes once, see ``reconnect_give_up``)."""
         cursor = (0, 0)
         while True:
             chunk = self._client.transport.read_logs(self.id, cursor, poll if follow else 0.0)

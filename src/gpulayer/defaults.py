@@ -151,6 +151,20 @@ HEARTBEAT_TIMEOUT_S = 30.0
 WARDEN_GOODBYE_TIMEOUT_S = 3.0
 # A worker that cannot reach the server retries with backoff up to this.
 RECONNECT_MAX_S = 10.0
+# A client's long poll (following a job's logs, waiting for a job) rides out
+# a server that is away (restarting, a dropped connection) this long in all,
+# trying again with back-off, before it gives up with ServerUnreachable:
+# long enough for a server's restart or a short network cut, short enough
+# that a script whose server is gone for good ends. Set it with
+# GPULAYER_RECONNECT_GIVE_UP_S or Client(reconnect_give_up=...).
+RECONNECT_GIVE_UP_S = 300.0
+# The pause between those tries doubles from the first, up to the most (or
+# as long as the server's Retry-After asks, within the most).
+RECONNECT_PAUSE_FIRST_S = 0.25
+RECONNECT_PAUSE_MAX_S = 5.0
+# The Retry-After (whole seconds) a server that is shutting down answers its
+# open long polls and new requests with: about what a restart takes.
+SHUTDOWN_RETRY_AFTER_S = 2
 # Instructions sent to a worker over HTTP and not yet acknowledged, kept to
 # send again; beyond this many (a worker that never acknowledges), the oldest go.
 UNACKED_MAX = 10_000
@@ -192,3 +206,14 @@ GC_FULL_INTERVAL_S = 600.0
 # A remote worker reports a task's start once it has run this long; a task
 # that ends sooner reports its start with its end, saving a request per job.
 REPORT_STARTED_AFTER_S = 0.5
+
+# `gpulayer gc`: jobs that ended longer ago than this are deleted, with their
+# logs, unless --older-than says otherwise; then the blobs no job left names.
+HOME_GC_OLDER_THAN_S = 7 * 86400.0
+# What gc keeps whatever its age says: a blob stored or looked up this
+# recently (a submit in flight may be about to name it: every submit looks up
+# the blobs it names, see artifacts.USED_MARK_S), and a temp file written
+# this recently (a blob being stored). No upload takes a day.
+HOME_GC_RECENT_S = 86400.0
+# Blobs to remove before `gpulayer gc` shows a progress bar.
+HOME_GC_PROGRESS_MIN_BLOBS = 1000

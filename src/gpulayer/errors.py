@@ -78,7 +78,10 @@ class TransportError(GPUlayerError):
 
 
 class ServerUnreachable(TransportError, ConnectionError):
-    """The server did not answer: it may be down or restarting. Safe to retry."""
+    """The server did not answer: it may be down or restarting. Safe to retry;
+    ``retry_after``: the seconds it asked for first (its Retry-After), if any."""
+
+    retry_after: float | None = None
 
 
 class UntrustedServer(ServerUnreachable):

@@ -9,6 +9,7 @@ Layout::
       artifacts/            content-addressed blobs (bundles, inputs, outputs)
       instances/<id>.lock   one per live control plane, flock-held for its life
       workers/<id>/         per-worker task directories
+      gc.lock               flock-held while `gpulayer gc` cleans the home
 
 Liveness is an advisory lock (``flock``) on the instance's lock file: the
 kernel drops it when the process dies, however it dies, so a later start can
@@ -108,6 +109,16 @@ class Home:
                 f"{self.path} is a GPUlayer server's home: reach it through the server "
                 "(--server URL or GPULAYER_SERVER), not embedded, which would end its remote jobs"
             )
+
+    def claim_gc(self) -> int:
+        """Hold the home's clean-up lock (``gpulayer gc``) until the fd is
+        closed: two cleans at once would each count what the other removed."""
+        fd = take_lock(self.path / "gc.lock", create=True)
+        if fd is None:
+            raise GPUlayerError(
+                f"another `gpulayer gc` is cleaning the home {self.path}; let it finish"
+            )
+        return fd
 
     def claim_instance(self, instance_id: str) -> None:
         """Hold this instance's lock for as long as the process lives."""

@@ -6,7 +6,7 @@ commands to the ``main`` group of ``root.py`` when imported here.
 
 from __future__ import annotations
 
-from . import actions, jobs, run, server, tokens, worker, workers
+from . import actions, jobs, maintenance, run, server, tokens, worker, workers
 from .root import _main, main
 from .run import EXIT_CODES
 
@@ -16,6 +16,7 @@ __all__ = [
     "actions",
     "jobs",
     "main",
+    "maintenance",
     "run",
     "server",
     "tokens",

@@ -14,7 +14,7 @@ import click
 
 from .. import defaults
 from ..client import Job
-from ..jobs import QUEUED, JobInfo, LogLine
+from ..jobs import QUEUED, STATES, JobInfo, LogLine
 from . import output
 from .output import Column, Styled
 from .root import _client, main
@@ -38,7 +38,12 @@ JOB_COLUMNS = (
 
 
 @main.command()
-@click.option("--state", "states", multiple=True, help="Only jobs in this state (repeatable).")
+@click.option(
+    "--state",
+    "states",
+    multiple=True,
+    help=f"Only jobs in this state (repeatable): {', '.join(STATES)}.",
+)
 @click.option(
     "--label",
     "labels",

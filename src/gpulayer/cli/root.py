@@ -141,9 +141,13 @@ class _Group(click.Group):
     "--home",
     envvar="GPULAYER_HOME",
     type=click.Path(file_okay=False),
-    help="GPUlayer home (embedded mode).",
+    help="GPUlayer home (embedded mode) [env: GPULAYER_HOME; default: ~/.gpulayer].",
 )
-@click.option("--server", envvar="GPULAYER_SERVER", help="Control-plane URL (server mode).")
+@click.option(
+    "--server",
+    envvar="GPULAYER_SERVER",
+    help="Control-plane URL (server mode) [env: GPULAYER_SERVER].",
+)
 @click.option(
     "--token",
     help="API token for the server; visible to local users in `ps`: prefer $GPULAYER_TOKEN "

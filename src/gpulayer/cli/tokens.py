@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from typing import TYPE_CHECKING
 
@@ -29,24 +28,16 @@ def _admin_transport(ctx: click.Context) -> HttpTransport:
     return transport
 
 
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
-_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_TEN_YEARS_S = 10 * 365 * 86400  # as the server's limit
-
-
 def _duration(value: str | None) -> float | None:
     """Seconds in ``90m``, ``12h``, ``30d``, ``2w`` or ``3600``."""
+    from ..durations import parse_duration
+
     if value is None:
         return None
-    match = _DURATION.fullmatch(value)
-    seconds = float(match[1]) * _UNIT_S[match[2]] if match else 0.0
-    if not 0 < seconds <= _TEN_YEARS_S:  # also inf, from a number too long
-        raise click.BadParameter(
-            f"{value!r} is not a duration of at most ten years; give one such as 90m, 12h, "
-            "30d or 2w",
-            param_hint="--expires-in",
-        )
-    return seconds
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--expires-in") from None
 
 
 @token.command("create")

@@ -53,6 +53,7 @@ from .handling import (
     SEQ,
     SMALL_REPORT_MAX,
     ApiError,
+    Closing,
     caller_of,
     error_response,
     poll_timeout,
@@ -90,6 +91,7 @@ class Api:
         self.artifacts = artifacts
         self.auth_enabled = auth_enabled
         self.metrics = Metrics(plane)
+        self.closing = Closing()  # begun by the server as it shuts down (see server.py)
         # Valid tokens' callers, by Authorization header: every request of a
         # job would otherwise hash its token and query the store. A token's
         # role and user never change; a revocation empties it (see revoke_token).
@@ -114,6 +116,8 @@ class Api:
 
         async def endpoint(request: Request) -> ASGIResponse:
             try:
+                if self.closing.begun:
+                    raise self.closing.error()
                 if roles is not None and self.auth_enabled:
                     header = request.header(b"authorization") or ""
                     known = self._roles.get(header)
@@ -142,7 +146,15 @@ class Api:
             except auth.AuthError as exc:
                 return error_response(exc.status, str(exc))
             except ApiError as exc:
-                return error_response(exc.status, str(exc))
+                return error_response(exc.status, str(exc), exc.retry_after)
+            except asyncio.CancelledError:
+                # uvicorn cancels what is still running once its grace after
+                # a shutdown is spent (a slow upload, say): a 503 to send
+                # again, not the 500 it would answer itself.
+                if not self.closing.begun:
+                    raise
+                error = self.closing.error()
+                return error_response(error.status, str(error), error.retry_after)
             except SpecError as exc:
                 return json_response({"error": str(exc), "field": exc.field}, 422)
             except JobNotFoundError as exc:
@@ -195,7 +207,9 @@ class Api:
         """The job (one ``viewer`` may see) once it is final, or as it is after ``timeout``."""
         final, done = self.plane.watch_job(job_id)
         if final is None and done is not None:
-            await until_signal(self.plane, lambda cb: self.plane.subscribe_done(done, cb), timeout)
+            await until_signal(
+                self.plane, lambda cb: self.plane.subscribe_done(done, cb), timeout, self.closing
+            )
             final = done.job  # the record the job ended with, when it did: no store read
         return final or self.plane.get(job_id, viewer)
 
@@ -235,7 +249,7 @@ class Api:
                 return None
             return unsubscribe
 
-        await until_signal(self.plane, subscribe, timeout)
+        await until_signal(self.plane, subscribe, timeout, self.closing)
         return json_response(found[0] if found else self.plane.logs_after(job_id, after))
 
     async def list_workers(self, request: Request) -> Response:
@@ -442,7 +456,8 @@ class Api:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            fired = await until_signal(self.plane, subscribe, max(0.0, deadline - loop.time()))
+            left = max(0.0, deadline - loop.time())
+            fired = await until_signal(self.plane, subscribe, left, self.closing)
             delivery, at_once, generation = opened[-1]
             if at_once or not fired:
                 break

@@ -32,13 +32,62 @@ _encoder = msgspec.json.Encoder()
 
 
 class ApiError(GPUlayerError):
-    def __init__(self, status: int, message: str) -> None:
+    """A request's answer other than success; ``retry_after``: seconds the
+    caller should wait before sending it again (a ``Retry-After`` header)."""
+
+    def __init__(self, status: int, message: str, *, retry_after: int | None = None) -> None:
         self.status = status
+        self.retry_after = retry_after
         super().__init__(message)
 
 
-def error_response(status: int, message: str) -> Response:
-    return json_response({"error": message}, status)
+def error_response(status: int, message: str, retry_after: int | None = None) -> Response:
+    response = json_response({"error": message}, status)
+    if retry_after is not None:
+        response.headers["retry-after"] = str(retry_after)
+    return response
+
+
+class Closing:
+    """Whether the server has begun to shut down, and the long polls to end then.
+
+    uvicorn's graceful shutdown waits for every request in flight; a long
+    poll waits up to a minute for a signal that never comes while the
+    server stops, so uvicorn would cancel it past its grace and answer 500.
+    Instead, :meth:`begin` (called as the shutdown starts, on the loop's
+    thread) ends every open long poll at once, and every request from then
+    on, with 503 and ``Retry-After``: the caller tries again, and finds the
+    server started again.
+    """
+
+    def __init__(self) -> None:
+        self.begun = False
+        self._polls: set[Callable[[], None]] = set()
+
+    def begin(self) -> None:
+        self.begun = True
+        polls, self._polls = self._polls, set()
+        for end in polls:
+            end()
+
+    def watch(self, end: Callable[[], None]) -> None:
+        """Call ``end`` when the shutdown begins (until :meth:`forget`)."""
+        self._polls.add(end)
+
+    def forget(self, end: Callable[[], None]) -> None:
+        self._polls.discard(end)
+
+    @property
+    def polls(self) -> int:
+        """How many long polls are open (and would end as the shutdown begins)."""
+        return len(self._polls)
+
+    def error(self) -> ApiError:
+        return ApiError(
+            503,
+            "the server is shutting down (restarting, say); nothing was changed, try again",
+            retry_after=defaults.SHUTDOWN_RETRY_AFTER_S,
+        )
 
 
 # What each worker report may take (see defaults): a task's result the most
@@ -195,8 +244,11 @@ async def until_signal(
     plane: ControlPlane,
     subscribe: Callable[[Callable[[], None]], Unsubscribe | None],
     timeout: float,
+    closing: Closing,
 ) -> bool:
-    """Await one firing of a control-plane signal, or ``timeout``; True if it fired.
+    """Await one firing of a control-plane signal, or ``timeout``; True if it
+    fired. The server beginning to shut down ends the wait with a 503
+    (``closing.error()``).
 
     Lean on purpose: a placement wakes the worker's long poll from inside
     the request that placed it, on this loop's thread, and every hop of the
@@ -205,11 +257,13 @@ async def until_signal(
     write), and the timeout is one timer rather than ``asyncio.wait_for``'s
     wrapper task and futures.
     """
+    if closing.begun:
+        raise closing.error()
     loop = asyncio.get_running_loop()
-    fired = loop.create_future()
+    fired: asyncio.Future[bool | None] = loop.create_future()
     loop_thread = threading.get_ident()
 
-    def settle(result: bool) -> None:
+    def settle(result: bool | None) -> None:
         if not fired.done():
             fired.set_result(result)
 
@@ -223,8 +277,17 @@ async def until_signal(
     if unsubscribe is None:
         return True
     timer = loop.call_later(timeout, settle, False)
+
+    def closed() -> None:  # on the loop's thread
+        settle(None)
+
+    closing.watch(closed)
     try:
-        return bool(await fired)
+        result = await fired
     finally:
+        closing.forget(closed)
         timer.cancel()
         plane.unsubscribe(unsubscribe)
+    if result is None:
+        raise closing.error()
+    return result

@@ -9,8 +9,11 @@ Start-up, in order:
 3. make the admin token on first start (printed once, kept 0600 in the home);
 4. serve the API under uvicorn; a background task declares silent workers lost.
 
-SIGTERM or Ctrl-C stop it gracefully: requests in flight finish, the store
-closes. A restart loses nothing: every step of a job was committed.
+SIGTERM or Ctrl-C stop it gracefully: it stops listening, open long polls
+(a worker's acquire, a client's wait or log follow) and any request arriving
+meanwhile are answered 503 with ``Retry-After`` at once (their callers try
+again, and find the server started again), other requests in flight finish,
+the store closes. A restart loses nothing: every step of a job was committed.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ _BACKLOG = 4096  # connections the kernel holds while the server is busy
 _REFUSED_LOG_EVERY_S = 60.0
 
 if TYPE_CHECKING:
+    from .handling import Closing
     from .routing import App
 
 log = logging.getLogger(__name__)
@@ -237,8 +241,19 @@ class Server:
 
         from .protocol import Protocol
 
+        app = self.app()
+        closing: Closing = app.state["api"].closing
+
+        class Uvicorn(uvicorn.Server):
+            async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+                # Before uvicorn waits for the requests in flight: the long
+                # polls among them would otherwise outlast its grace and be
+                # cancelled, which it answers with a 500 (and a traceback).
+                closing.begin()
+                await super().shutdown(sockets)
+
         config = uvicorn.Config(
-            self.app(),
+            app,
             http=Protocol,  # httptools, each reply's head and body in one write
             host=self.host,
             port=self.port,
@@ -258,4 +273,4 @@ class Server:
             proxy_headers=False,
             server_header=False,
         )
-        uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
+        Uvicorn(config).run(sockets=[sock] if sock is not None else None)

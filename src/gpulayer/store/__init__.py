@@ -131,6 +131,18 @@ class Transaction(abc.ABC):
     @abc.abstractmethod
     def delete_workers(self, instance: str) -> None: ...
 
+    @abc.abstractmethod
+    def delete_jobs_ended_before(self, cutoff: float) -> tuple[int, int]:
+        """Delete every job in a final state that finished before ``cutoff``
+        (seconds since the epoch), with its log lines, outputs and past
+        tasks; never a queued or running one. Returns (jobs, log lines)."""
+
+    @abc.abstractmethod
+    def artifact_refs(self) -> set[tuple[str, str]]:
+        """What the stored jobs name, as (kind, digest): each one's bundle
+        (a "dir": a manifest), inputs and outputs. What a manifest lists is
+        not read here (see ``gc.py``)."""
+
 
 class Store(abc.ABC):
     @abc.abstractmethod

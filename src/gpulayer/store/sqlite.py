@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from ..errors import StoreError
-from ..jobs import JobInfo, LogLine, TaskInfo, TaskResult, WorkerInfo
+from ..jobs import FINAL_STATES, JobInfo, LogLine, TaskInfo, TaskResult, WorkerInfo
 from ..spec import ArtifactRef, JobSpec
 from . import Store, Transaction
 from .migrations import LATEST, MIGRATIONS
@@ -327,6 +327,48 @@ class _SqliteTransaction(Transaction):
             "INSERT INTO blob_readers (reader, digest) VALUES (?, ?) ON CONFLICT DO NOTHING",
             [(reader, digest) for digest in digests],
         )
+
+    def delete_jobs_ended_before(self, cutoff: float) -> tuple[int, int]:
+        final = ",".join(f"'{state}'" for state in sorted(FINAL_STATES))
+        # A final job has its 'finished' mark; one from before marks were
+        # kept falls back on when it was submitted.
+        ids = [
+            row[0]
+            for row in self.db.execute(
+                f"SELECT id FROM jobs WHERE state IN ({final}) AND COALESCE("
+                "json_extract(marks, '$.finished'), json_extract(marks, '$.submitted'), 0) < ?",
+                (cutoff,),
+            )
+        ]
+        if not ids:
+            return 0, 0
+        # The ids as one JSON array: any number in one statement each.
+        chosen = "(SELECT value FROM json_each(?))"
+        listed = _encode(ids)
+        # A batch is a JSON array of lines (each an array): its length counts them.
+        lines = self.db.execute(
+            "SELECT COALESCE(SUM(json_array_length(CAST(lines AS TEXT))), 0) FROM log_batches "
+            f"WHERE job_id IN {chosen}",
+            (listed,),
+        ).fetchone()[0]
+        for table in ("log_batches", "outputs", "past_tasks"):
+            self.db.execute(f"DELETE FROM {table} WHERE job_id IN {chosen}", (listed,))
+        # The state again: a job is never deleted unless final.
+        jobs = self.db.execute(
+            f"DELETE FROM jobs WHERE id IN {chosen} AND state IN ({final})", (listed,)
+        ).rowcount
+        return int(jobs), int(lines)
+
+    def artifact_refs(self) -> set[tuple[str, str]]:
+        # The spec is JSON text kept as a BLOB: cast (see list_jobs).
+        rows = self.db.execute(
+            "SELECT 'dir', json_extract(CAST(spec AS TEXT), '$.bundle') FROM jobs "
+            "WHERE json_extract(CAST(spec AS TEXT), '$.bundle') IS NOT NULL "
+            "UNION SELECT json_extract(i.value, '$.kind'), json_extract(i.value, '$.digest') "
+            "FROM jobs, json_each(CAST(jobs.spec AS TEXT), '$.inputs') AS i "
+            "UNION SELECT kind, digest FROM outputs"
+        ).fetchall()
+        return {(str(kind), str(digest)) for kind, digest in rows if digest is not None}
 
 
 class _Guarded:

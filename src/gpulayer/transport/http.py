@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import re
 import socket
 import ssl
@@ -49,6 +50,7 @@ from . import Transport
 from .wire import Connection, Disconnected, Response
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _CHUNK = 1024 * 1024
 _MAX_IDLE = 8  # idle connections kept per transport
 # Below the server's keep-alive timeout (75 s, see http/server.py), after
@@ -103,6 +105,62 @@ class _Received:
         return fresh
 
 
+class _Outage:
+    """One long poll riding out a server that is away: restarting (a 503),
+    or out of reach (a dropped connection, a refused one).
+
+    Each failure waits a little longer before the next try (honouring a
+    Retry-After), up to ``give_up`` seconds of outage in all; the outage is
+    said once as it begins and once as it ends, not at every try. The poll
+    is asked again as it was (the same cursor): it changes nothing, so
+    nothing is lost or repeated.
+    """
+
+    def __init__(self, url: str, give_up: float) -> None:
+        self.url = url
+        self.give_up = give_up
+        self.since: float | None = None
+        self.pause = defaults.RECONNECT_PAUSE_FIRST_S
+
+    def failed(self, exc: ServerUnreachable, deadline: float | None = None) -> None:
+        """Sleep before the next try; raise ServerUnreachable once the outage
+        has lasted ``give_up`` seconds (or reaches ``deadline``)."""
+        if isinstance(exc, UntrustedServer):  # the same on every try
+            raise exc
+        now = time.monotonic()
+        if self.since is None:  # said once, as the outage begins
+            self.since = now
+            if self.give_up > 0:
+                log.warning(
+                    "the server at %s is unavailable; retrying for up to %g s (%s)",
+                    self.url,
+                    self.give_up,
+                    exc,
+                )
+        end = self.since + self.give_up
+        limit = "GPULAYER_RECONNECT_GIVE_UP_S sets how long"
+        if deadline is not None and deadline < end:
+            end, limit = deadline, "the wait's timeout"
+        if now >= end:
+            gave_up = ServerUnreachable(
+                f"{exc}; gave up after {now - self.since:.0f} s of retrying ({limit})"
+            )
+            raise gave_up from None
+        pause = max(self.pause, exc.retry_after or 0.0)
+        time.sleep(min(pause, defaults.RECONNECT_PAUSE_MAX_S, end - now))
+        self.pause = min(self.pause * 2, defaults.RECONNECT_PAUSE_MAX_S)
+
+    def answered(self) -> None:
+        if self.since is not None:
+            log.warning(
+                "reconnected to the server at %s after %.1f s",
+                self.url,
+                time.monotonic() - self.since,
+            )
+            self.since = None
+            self.pause = defaults.RECONNECT_PAUSE_FIRST_S
+
+
 class HttpTransport(Transport):
     def __init__(
         self,
@@ -113,7 +171,11 @@ class HttpTransport(Transport):
         timeout: float = 30.0,
         retries: int = 3,
         ca_file: str | None = None,
+        reconnect_give_up: float = defaults.RECONNECT_GIVE_UP_S,
     ) -> None:
+        """``reconnect_give_up``: how long in all a long poll (wait, a log
+        follow) rides out a server that is away before it raises
+        ServerUnreachable (see _Outage); other requests fail sooner."""
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise GPUlayerError(f"a server URL looks like http://host:8585, got {url!r}")
@@ -126,6 +188,7 @@ class HttpTransport(Transport):
         self.worker_id = worker_id  # sent with blob fetches so the server can check them
         self._timeout = timeout
         self._retries = retries
+        self._give_up = reconnect_give_up
         self._ssl = ssl.create_default_context(cafile=ca_file) if self._https else None
         # Idle keep-alive connections, shared by every thread: a worker's
         # task threads are short-lived, and a connection each would cost a
@@ -275,7 +338,12 @@ class HttpTransport(Transport):
         if status in (502, 503, 504):
             # It could not do it now (503), or a proxy in front of it could
             # not reach it (502, 504): send it again later.
-            return ServerUnreachable(f"the server is unavailable ({status}): {message}")
+            away = ServerUnreachable(f"the server is unavailable ({status}): {message}")
+            away.status = status
+            after = response.getheader("Retry-After") or ""
+            if after.strip().isdigit():  # seconds (an HTTP date is taken as none)
+                away.retry_after = float(after)
+            return away
         failed = TransportError(
             f"the server failed ({status}): {message}"
             if status >= 500
@@ -319,17 +387,23 @@ class HttpTransport(Transport):
 
     def wait(self, job_id: str, timeout: float | None) -> JobInfo:
         deadline = None if timeout is None else time.monotonic() + timeout
+        outage = _Outage(self.url, self._give_up)
         while True:
             left = (
                 _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
             )
-            job = self._call(
-                "POST",
-                f"/api/v1/jobs/{_q(job_id)}/wait",
-                JobInfo,
-                query={"timeout": f"{left:.3f}"},
-                wait=left,
-            )
+            try:
+                job = self._call(
+                    "POST",
+                    f"/api/v1/jobs/{_q(job_id)}/wait",
+                    JobInfo,
+                    query={"timeout": f"{left:.3f}"},
+                    wait=left,
+                )
+            except ServerUnreachable as exc:
+                outage.failed(exc, deadline)
+                continue
+            outage.answered()
             if job.done or (deadline is not None and time.monotonic() >= deadline):
                 return job
 
@@ -341,6 +415,7 @@ class HttpTransport(Transport):
         deadline = None if timeout is None else time.monotonic() + timeout
         found: dict[str, JobInfo] = {}
         unknown: set[str] = set()
+        outage = _Outage(self.url, self._give_up)
         while True:
             left = (
                 _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
@@ -355,6 +430,9 @@ class HttpTransport(Transport):
                     query={"timeout": f"{left:.3f}"},
                     wait=left,
                 )
+            except ServerUnreachable as exc:
+                outage.failed(exc, deadline)
+                continue
             except (JobNotFoundError, TransportError) as exc:
                 # A server older than this endpoint: its router says there is
                 # none ("no endpoint", or POST "not allowed" on a job's path).
@@ -362,6 +440,7 @@ class HttpTransport(Transport):
                     raise
                 self._no_wait_also = True
                 return self.wait(job_id, timeout), list(found.values()), sorted(unknown)
+            outage.answered()
             found.update((info.id, info) for info in reply.also)
             unknown.update(reply.unknown)
             if reply.job.done or (deadline is not None and time.monotonic() >= deadline):
@@ -371,11 +450,24 @@ class HttpTransport(Transport):
         return self._call("POST", f"/api/v1/jobs/{_q(job_id)}/cancel", JobInfo)
 
     def read_logs(self, job_id: str, after: tuple[int, int], timeout: float) -> LogChunk:
+        """Lines after the cursor ``after``. A follow's read (``timeout`` > 0,
+        a long poll) rides out a server that is away (see _Outage), asking
+        again from the same cursor; a one-off read fails at once."""
         timeout = min(timeout, 60.0)
         query = {"attempt": after[0], "seq": after[1], "timeout": f"{timeout:.3f}"}
-        return self._call(
-            "GET", f"/api/v1/jobs/{_q(job_id)}/logs", LogChunk, query=query, wait=timeout
-        )
+        outage = _Outage(self.url, self._give_up)
+        while True:
+            try:
+                chunk = self._call(
+                    "GET", f"/api/v1/jobs/{_q(job_id)}/logs", LogChunk, query=query, wait=timeout
+                )
+            except ServerUnreachable as exc:
+                if timeout <= 0:
+                    raise
+                outage.failed(exc)
+                continue
+            outage.answered()
+            return chunk
 
     def list_workers(self) -> list[WorkerInfo]:
         return self._call("GET", "/api/v1/workers", list[WorkerInfo])

@@ -389,6 +389,7 @@ class Worker:
     def _loop(self) -> None:
         backoff = 0.05
         untrusted = False  # said once per spell, not on every try
+        away = False  # the server is (restarting, out of reach): said once, as is its return
         while not self._stopping.is_set():
             try:
                 instructions = self.transport.acquire(self.info.id, defaults.ACQUIRE_TIMEOUT_S)
@@ -403,7 +404,13 @@ class Worker:
                     # then the worker keeps its reports and tries again.
                     log.error("worker %s: %s", self.info.id, exc)
                     untrusted = True
-                if self._stopping.wait(backoff):
+                elif not away:
+                    # A restart, say: waited out, quietly (no traceback).
+                    log.warning("worker %s: %s; waiting for it", self.info.id, exc)
+                away = True
+                # A server shutting down says when to ask again (Retry-After).
+                asked = min(exc.retry_after or 0.0, defaults.RECONNECT_MAX_S)
+                if self._stopping.wait(max(backoff, asked)):
                     return
                 backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
                 continue
@@ -416,6 +423,9 @@ class Worker:
                     return
                 backoff = min(backoff * 2, defaults.RECONNECT_MAX_S)
                 continue
+            if away:  # it answered (perhaps that it knows us no more: registered again below)
+                away = False
+                log.warning("worker %s: the server answers again", self.info.id)
             if instructions is None:
                 if self._stopping.is_set():
                     continue
