@@ -174,3 +174,28 @@ def test_a_spec_error_is_said_in_plain_words(home: Path) -> None:
     assert done.returncode == 2
     assert "gpus: must be a whole number, 0 or more; got -1" in done.stderr, done.stderr
     assert "Expected" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "job_args",
+    [
+        ["--token", "hf_third_party_token"],  # a script's own --token (Hugging Face, say)
+        ["--home=/data/run1"],  # a script's own --home
+        ["--server", "localhost:8000"],  # a script that talks to its own server
+    ],
+)
+def test_a_scripts_own_option_named_like_a_global_one_reaches_the_script(
+    home: Path, tmp_path: Path, job_args: list[str]
+) -> None:
+    """The global options are GPUlayer's before the script; after it, the
+    script's (with a warning), as they were before `run` took them."""
+    script = tmp_path / "show.py"
+    script.write_text("import sys; print('ARGV', sys.argv[1:])\n")
+    done = _gl(home, "run", str(script), "--epochs", "3", *job_args, "--priority", "2")
+    assert done.returncode == 0, done.stderr
+    assert f"ARGV {['--epochs', '3', *job_args]!r}" in done.stdout, (done.stdout, done.stderr)
+    flag = job_args[0].split("=")[0]
+    assert f"{flag} after the script goes to the job" in done.stderr
+    with gpulayer.Client(home=home, auto_worker=False) as client:
+        (job,) = client.jobs()
+        assert job.info.spec.priority == 2  # GPUlayer's own options after it still count

@@ -108,3 +108,21 @@ def test_distributed_shapes_are_accepted_and_their_limits_named() -> None:
     with pytest.raises(SpecError, match="allowed: direct, torchrun") as info:
         parse_spec({"command": ["x"], "nodes": 2, "launcher": "mpirun"})
     assert info.value.field == "launcher"
+
+
+@pytest.mark.parametrize("value", [918273645501, ["sk-live-abcdef"], {"k": "sk-live-abcdef"}, 1.5])
+def test_a_secrets_value_is_never_echoed_in_a_spec_error(value: object) -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec({"command": ["true"], "secrets": {"AWS_PIN": value}})
+    assert caught.value.field == "secrets.AWS_PIN"
+    assert "must be a string" in str(caught.value) and "not shown" in str(caught.value)
+    for shown in ("918273645501", "sk-live", "1.5"):
+        assert shown not in str(caught.value)
+
+
+@pytest.mark.parametrize(("field", "key"), [("env", 5), ("labels", True), ("secrets", 1.5)])
+def test_a_key_that_is_not_a_string_is_said_in_plain_words(field: str, key: object) -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec({"command": ["x"], field: {key: "v"}})
+    assert caught.value.field == field
+    assert "its keys must be strings" in str(caught.value) and "Expected" not in str(caught.value)

@@ -23,7 +23,7 @@ import heapq
 import logging
 import os
 import stat
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -110,6 +110,8 @@ _DIGESTS = DigestCache()
 def _digest(path: str, st: os.stat_result) -> str:
     try:
         return _DIGESTS.digest(path, st)
+    except FileNotFoundError:
+        raise  # gone since listed: the caller leaves it out
     except OSError as e:
         raise BundleError(f"cannot read {path}: {e.strerror}; list it in {IGNORE_FILE}") from e
 
@@ -149,17 +151,13 @@ def _ignore_spec(root: str) -> pathspec.GitIgnoreSpec | None:
 
 class _Ignored:
     """Whether a path of the tree is left out: by the spec where the root
-    has an ignore file, else by the default ignores alone; and whatever
-    ``exclude`` names (paths shipped otherwise, such as inputs)."""
+    has an ignore file, else by the default ignores alone."""
 
-    def __init__(self, root: str, exclude: Collection[str]) -> None:
+    def __init__(self, root: str) -> None:
         self.spec = _ignore_spec(root)
-        self.exclude = frozenset(exclude)
         self.by_default: list[str] = []  # what a default left out: said, to be taken back
 
     def dir(self, rel: str, name: str) -> bool:
-        if rel in self.exclude:
-            return True
         default = name in _DEFAULT_DIRS
         out = default if self.spec is None else self.spec.match_file(rel + "/")
         if out and default:
@@ -167,8 +165,6 @@ class _Ignored:
         return out
 
     def file(self, rel: str, name: str) -> bool:
-        if rel in self.exclude:
-            return True
         default = name.endswith(_DEFAULT_SUFFIXES)
         out = default if self.spec is None else self.spec.match_file(rel)
         if out and default:
@@ -176,15 +172,11 @@ class _Ignored:
         return out
 
     def link(self, rel: str) -> bool:
-        if rel in self.exclude:
-            return True
         return self.spec is not None and self.spec.match_file(rel)
 
 
-def scan(root: Path, *, home: Path | None = None, exclude: Collection[str] = ()) -> Manifest:
-    """The manifest of the tree under ``root`` (see the module docstring for
-    what is skipped). ``exclude``: paths relative to ``root`` (POSIX) left
-    out as well, such as inputs inside it, which are shipped as inputs."""
+def scan(root: Path, *, home: Path | None = None) -> Manifest:
+    """The manifest of the tree under ``root`` (see the module docstring for what is skipped)."""
     top = os.path.abspath(root)
     if not os.path.isdir(top):
         raise BundleError(f"cannot bundle {root}: not a directory")
@@ -193,7 +185,7 @@ def scan(root: Path, *, home: Path | None = None, exclude: Collection[str] = ())
         rel = os.path.relpath(Path(home).resolve(), Path(top).resolve())
         if rel != "." and not rel.startswith(".."):
             skip_rel = rel.replace(os.sep, "/")
-    ignored = _Ignored(top, exclude)
+    ignored = _Ignored(top)
     entries: list[Entry] = []
     # Depth-first with an explicit stack: no recursion limit on deep trees.
     stack = [("", _listdir(top))]
@@ -220,8 +212,11 @@ def scan(root: Path, *, home: Path | None = None, exclude: Collection[str] = ())
             elif de.is_file(follow_symlinks=False):
                 if ignored.file(rel, name):
                     continue
-                st = de.stat(follow_symlinks=False)
-                digest = _digest(de.path, st)
+                try:
+                    st = de.stat(follow_symlinks=False)
+                    digest = _digest(de.path, st)
+                except FileNotFoundError:
+                    continue  # removed since the folder was listed: not part of it now
                 mode = 0o755 if st.st_mode & 0o100 else 0o644
                 entries.append(Entry(rel, "file", size=st.st_size, mode=mode, digest=digest))
             # Sockets, FIFOs and devices have no content to ship: skipped.

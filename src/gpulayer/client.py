@@ -12,7 +12,7 @@ import socket
 import subprocess
 import threading
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -338,9 +338,7 @@ class Client:
         spec = parse_spec(draft)
         if source_dir is not None or input_paths:  # the real digests replace the placeholders
             if source_dir is not None:
-                # An input inside the source folder is shipped once, as the input.
-                inside = _inside(source_dir, input_paths.values())
-                fields["bundle"], _ = self._pack_tree(source_dir, "source", exclude=inside)
+                fields["bundle"], _ = self._pack_tree(source_dir, "source")
             fields["inputs"] = {name: self._pack_input(path) for name, path in input_paths.items()}
             spec = parse_spec(fields)
         return self._submit_spec(spec, source_dir)
@@ -442,10 +440,8 @@ class Client:
             found[name] = path
         return found
 
-    def _pack_tree(
-        self, root: Path, label: str, *, exclude: Collection[str] = ()
-    ) -> tuple[str, int]:
-        manifest = bundle.scan(root, home=self.home, exclude=exclude)
+    def _pack_tree(self, root: Path, label: str) -> tuple[str, int]:
+        manifest = bundle.scan(root, home=self.home)
         summary = bundle.summarize(manifest)
         log.info("%s bundle %s: %d files, %s", label, root, summary.files, _size(summary.bytes))
         if bundle.is_large(summary):
@@ -566,20 +562,6 @@ class Client:
 
     def workers(self) -> list[WorkerInfo]:
         return self._transport.list_workers()
-
-
-def _inside(root: Path, paths: Iterable[Path]) -> set[str]:
-    """Those of ``paths`` (resolved) inside ``root`` (resolved), relative to
-    it, as a bundle names them; ``root`` itself is not inside."""
-    found = set()
-    for path in paths:
-        try:
-            rel = path.relative_to(root)
-        except ValueError:
-            continue
-        if rel.parts:
-            found.add(rel.as_posix())
-    return found
 
 
 _LOCAL_SERIALS = itertools.count()  # numbers the local workers' names, in this process

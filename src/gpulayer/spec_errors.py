@@ -53,6 +53,11 @@ def plain_spec_error(
         hint = f"; did you mean {guess[0]!r}?" if guess else ""
         inside = f" in {where[0]}" if where[0] else ""
         return SpecError(name, f"unknown field{inside}{hint} (fields: {', '.join(known)})")
+    key = re.fullmatch(r"Expected `str`, got `([^`]*)` - at `key` in `\$\.([A-Za-z_]+)`", message)
+    if key:  # a map's key that is not a string (YAML reads 1 and yes as others)
+        return SpecError(
+            key[2], f"its keys must be strings; one is {_KIND_NAMES.get(key[1], key[1])}"
+        )
     at = _AT.search(message)
     body = message[: at.start()] if at else message
     path, value = _where(at[0] if at else "", data)
@@ -73,7 +78,7 @@ def plain_spec_error(
             if pattern[1] == "^[0-9a-f]{64}$"
             else f"a string matching {pattern[1]}"
         )
-        return SpecError(field, f"must be {want}; got {_shown(value)}")
+        return SpecError(field, f"must be {want}; got {_shown(value, top)}")
     expected = _EXPECTED.match(body)
     if expected:
         kinds = [_TYPES.get(k.strip(), k.strip()) for k in expected[1].split("|")]
@@ -82,7 +87,7 @@ def plain_spec_error(
         if expected[3]:
             bound = expected[4].removesuffix(".0")  # 0.0 reads as 0
             want += ", " + _BOUNDS[expected[3]].format(bound)
-        got = _shown(value)
+        got = _shown(value, top)
         if top == "command" and isinstance(value, str):
             want += " (the program and its arguments, such as ['python', 'train.py'])"
         if top in choices:
@@ -139,13 +144,17 @@ def _suspect(value: Any, at: str) -> tuple[str, Any]:
     return str(items[0][0]), items[0][1]
 
 
+_KIND_NAMES = {"int": "a number", "float": "a number", "bool": "true/false", "null": "null"}
 _KINDS = {bool: "true/false", int: "an int", float: "a number", str: "a string", list: "a list"}
 
 
-def _shown(value: Any) -> str:
-    """A value as the user gave it, cut short, and what kind it is."""
+def _shown(value: Any, field: str) -> str:
+    """A value as the user gave it, cut short, and what kind it is; of a
+    secret, the kind alone (its value is never shown back)."""
+    kind = _KINDS.get(type(value), "a mapping" if isinstance(value, Mapping) else "nothing")
+    if field == "secrets":
+        return f"{kind} (its value is not shown)"
     text = repr(value)
     if len(text) > 60:
         text = text[:57] + "..."
-    kind = _KINDS.get(type(value), "a mapping" if isinstance(value, Mapping) else "nothing")
     return f"{text} ({kind})"

@@ -299,3 +299,102 @@ def test_the_worker_stays_out_of_its_tasks_way(containment: cgroups.CgroupContai
             assert pipe is not None
             pipe.close()
         box.close()
+
+
+def test_an_orphan_born_before_another_spawn_began_is_its_tasks(
+    containment: cgroups.CgroupContainment, tmp_path: Path
+) -> None:
+    """The other spawn began after the orphan was born: it cannot be that
+    one's (a spawn's processes are born after it begins), so it is kept,
+    in its own task's cgroup."""
+    from gpulayer.worker.containment import proc_stat, ticks_now
+
+    boxes = [containment.box(), containment.box()]
+    first = containment.begin(boxes[0])
+    task = _Task(ORPHAN, tmp_path, "a")
+    second = None
+    try:
+        orphan = task.stray()
+        born = proc_stat(orphan).start
+        deadline = time.monotonic() + 10
+        while ticks_now() <= born:  # the clock's next tick (10 ms at most), so B begins later
+            assert time.monotonic() < deadline
+        second = containment.begin(boxes[1])
+        _place(containment, first, task.proc.pid)
+        assert not _ends_now(orphan), "the task's own orphan was killed"
+        assert _cgroup_of(orphan) == _cgroup_of(task.proc.pid)
+    finally:
+        if second is not None:
+            containment.finish(second)
+        for box in boxes:
+            box.end(0.0)
+        task.end()
+        for box in boxes:
+            box.close()
+
+
+def test_a_process_the_worker_process_starts_in_a_session_of_its_own_is_left(
+    containment: cgroups.CgroupContainment,
+) -> None:
+    """Embedded, the worker process is the user's program: a process it
+    starts in a session of its own (a data server, TensorBoard, a GPU
+    probe) while a task starts is its own, not the task's: neither moved
+    into the task's cgroup nor ended with it."""
+    box = containment.box()
+    record = containment.begin(box)
+    mine = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    task = spawn(["sleep", "120"], cwd=Path("/"), env={})
+    try:
+        where = _cgroup_of(mine.pid)
+        _place(containment, record, task.pid)
+        assert _cgroup_of(mine.pid) == where, "the program's own process was swept in"
+        box.end(0.0)
+        assert mine.poll() is None, "the program's own process ended with the task"
+    finally:
+        mine.kill()
+        mine.wait()
+        task.kill()
+        task.wait()
+        for pipe in (task.stdout, task.stderr):
+            assert pipe is not None
+            pipe.close()
+        box.close()
+
+
+def test_an_embedded_programs_own_daemons_outlive_its_jobs(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A program using an embedded client starts helpers of its own, each in
+    a session of its own, while 100 of its jobs start on four slots: none
+    is killed by the jobs' containment. (Sweeps that took whatever was
+    outside the worker's session killed 125 of 126.)"""
+    if not cgroups_possible():
+        pytest.skip("no writable cgroup v2 hierarchy here")
+    monkeypatch.setenv(defaults.CONTAINMENT_ENV, "cgroup")
+    helpers: list[subprocess.Popen[bytes]] = []
+    stop = threading.Event()
+
+    def start_helpers() -> None:
+        while not stop.is_set() and len(helpers) < 200:
+            helpers.append(subprocess.Popen(["sleep", "120"], start_new_session=True))
+            stop.wait(0.002)  # spread over the burst
+
+    try:
+        with gpulayer.Client(home=home) as client:
+            client.ensure_local_workers(2, slots=2)
+            starter = threading.Thread(target=start_helpers)
+            starter.start()
+            try:
+                jobs = [client.submit(command=["true"]) for _ in range(100)]
+                assert [job.wait(timeout=60) for job in jobs] == ["succeeded"] * 100
+            finally:
+                stop.set()
+                starter.join()
+            # Each job was reported ended once its cgroup was empty: a helper
+            # swept into one would be dead by now.
+            dead = [h.pid for h in helpers if h.poll() is not None]
+        assert helpers and dead == [], f"{len(dead)} of {len(helpers)} helpers were killed"
+    finally:
+        for h in helpers:
+            h.kill()
+            h.wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -17,7 +18,7 @@ import click
 from .. import defaults
 from ..client import Client, Job
 from ..errors import GPUlayerError, SpecError
-from .root import _client, main
+from .root import GLOBAL_OPTIONS, _client, main
 
 # How `gpulayer run` exits for each final state (a failed job passes its own code on).
 EXIT_CODES = {"succeeded": 0, "failed": 1, "cancelled": 130, "timed_out": 124, "lost": 1}
@@ -96,13 +97,51 @@ def _yaml_error(exc: Exception) -> str:
     return f"line {mark.line + 1}, column {mark.column + 1}: {what}"
 
 
+# The global options (root.py) are `run`'s only before the target: after it,
+# a script's own --token, --home or --server (a Hugging Face token, a data
+# folder, its own server) is the script's, as before they were accepted
+# after a command's name. Such a word is marked so that the parser hands it
+# on as an argument; run() takes the mark off.
+_JOB_WORD = "\0gpulayer-job-word:"
+
+
 class _RunCommand(click.Command):
-    """``run``, which also remembers where ``--`` was: a word after it is
-    the job's, whatever it looks like."""
+    """``run``, which also remembers where ``--`` was (a word after it is
+    the job's, whatever it looks like) and keeps the global options after
+    the target for the job."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         ctx.meta["gpulayer.after_dashes"] = args[args.index("--") + 1 :] if "--" in args else []
-        return super().parse_args(ctx, args)
+        return super().parse_args(ctx, self._globals_after_target_to_the_job(args))
+
+    def _globals_after_target_to_the_job(self, args: list[str]) -> list[str]:
+        valued = {
+            name
+            for p in self.params
+            if isinstance(p, click.Option) and not p.is_flag and not p.count
+            for name in (*p.opts, *p.secondary_opts)
+        }
+        globals_ = {"--" + name.replace("_", "-") for name in GLOBAL_OPTIONS}
+        out: list[str] = []
+        target_seen = False
+        words = iter(args)
+        for word in words:
+            if word == "--":
+                out += [word, *words]
+                break
+            name = word.split("=", 1)[0]
+            if target_seen and name in globals_:
+                out.append(_JOB_WORD + word)
+                if "=" not in word:  # and its value, whatever it looks like
+                    out += [_JOB_WORD + w for w in itertools.islice(words, 1)]
+                continue
+            out.append(word)
+            if word.startswith("-") and len(word) > 1:
+                if name in valued and "=" not in word:
+                    out += list(itertools.islice(words, 1))  # its value
+            else:
+                target_seen = True
+        return out
 
 
 @main.command(
@@ -200,7 +239,9 @@ def run(
     code. GPUlayer's own options may come before or after TARGET; arguments
     it does not know go to the job. After `--`, everything goes to the job.
     """
-    _check_option_words(ctx, target, args)
+    kept = [w[len(_JOB_WORD) :] for w in args if w.startswith(_JOB_WORD)]
+    args = tuple(w.removeprefix(_JOB_WORD) for w in args)
+    _check_option_words(ctx, target, args, kept)
     fields = _load_yaml(job_file) if job_file else {}
     if target is not None:
         if target.endswith(".py"):
@@ -367,10 +408,13 @@ def _exit_now(signum: int, _frame: object) -> None:
     os._exit(130)
 
 
-def _check_option_words(ctx: click.Context, target: str | None, args: Sequence[str]) -> None:
+def _check_option_words(
+    ctx: click.Context, target: str | None, args: Sequence[str], kept: Sequence[str] = ()
+) -> None:
     """A word before the script that looks like an option is a typo of
     GPUlayer's (refused, with the closest option); one after the script is
-    the script's, but a close match to one of GPUlayer's is warned of."""
+    the script's, but a close match to one of GPUlayer's is warned of, as is
+    a global option there (``kept``: the job's, see _JOB_WORD)."""
     import difflib
 
     after_dashes = ctx.meta.get("gpulayer.after_dashes", [])
@@ -391,8 +435,16 @@ def _check_option_words(ctx: click.Context, target: str | None, args: Sequence[s
         raise click.UsageError(
             f"no such option: {target}{hint} (a command that starts with '-' goes after --)"
         )
+    globals_ = {"--" + name.replace("_", "-") for name in GLOBAL_OPTIONS}
     for word in mine[1:]:
-        if word.startswith("--") and (guess := closest(word)) is not None:
+        if word in kept and word.split("=", 1)[0] in globals_:
+            flag = word.split("=", 1)[0]
+            click.echo(
+                f"gpulayer: warning: {flag} after the script goes to the job; GPUlayer's own "
+                f"{flag} goes before the script",
+                err=True,
+            )
+        elif word.startswith("--") and (guess := closest(word)) is not None:
             click.echo(
                 f"gpulayer: warning: {word} goes to the job, not to GPUlayer; did you mean "
                 f"{guess}? (GPUlayer's options may come before or after the script)",

@@ -367,7 +367,7 @@ class PlaneCore:
                 heapq.heappush(self._wakeups, now + _RETRY_STORE_AGAIN_S)
             except Exception as exc:  # a store closed under it: this thread must not die loud
                 log.warning("placing jobs whose retry back-off ended failed: %s", exc)
-                return
+            # The later back-offs still end when they are due, whatever became of this one.
             if self._wakeups:
                 self._arm_retry(heapq.heappop(self._wakeups))
 

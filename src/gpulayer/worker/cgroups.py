@@ -10,18 +10,20 @@ A task's first process starts in its parent's cgroup: Python cannot start it
 elsewhere (it has no ``CLONE_INTO_CGROUP``), and a ``preexec_fn`` would cost
 the fast vfork path of every spawn. So the process is moved into its task's
 cgroup just after it starts. Whatever it started before that move was born
-in ``worker/``, where nothing else of the worker's is outside the worker's
-session (each task starts a session of its own, and can never come back to
-the worker's): once it is moved, every such process born since its start is
-swept into the task's cgroup too.
+in ``worker/`` too, beside the worker's own processes (embedded, the worker
+process is the user's program, which may start processes of its own, in
+sessions of their own): once the task's process is moved, every process
+born since in ``worker/`` that is the task's is swept into its cgroup.
 
 Several tasks may start at once (one per slot): each sweep takes only what
 is its own task's. A stray is known by its session, or its parent, parent's
-parent and so on, reaching a task's process. One that is known by neither
-(a daemon that forked twice and left its session, all before its task's
-process was moved: a few milliseconds) is its task's if no other task was
-starting at the time, and is killed if one was: which task it came from
-cannot be told, and it may outlive neither.
+parent and so on: reaching a task's process first, it is that task's;
+reaching the worker process first, it is the worker's own, and left. An
+orphan, whose parents reach neither (a daemon that forked twice and left its
+session, all before its task's process was moved: a few milliseconds), is
+its task's if no other task being started had begun when it was born, and
+is killed if one had: which task it came from cannot be told, and it may
+outlive neither.
 
 Ending a task: SIGTERM to each process in its cgroup, the grace period, then
 ``cgroup.kill``, waiting on ``cgroup.events`` for it to be empty. The
@@ -59,6 +61,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from ..errors import WorkerError
 from .containment import (
@@ -96,7 +99,6 @@ class Spawn:
     box: CgroupBox
     since: int  # clock ticks after boot, as /proc/<pid>/stat counts
     pid: int | None = None  # once it is started
-    crowded: bool = False  # another spawn was in flight at some time of this one
 
 
 class CgroupContainment(Containment):
@@ -183,9 +185,7 @@ class CgroupContainment(Containment):
     def begin(self, box: CgroupBox) -> Spawn:
         """A spawn into ``box`` begins: recorded before its process forks."""
         with self._spawns:
-            record = Spawn(box, ticks_now(), crowded=bool(self._spawning))
-            for other in self._spawning:
-                other.crowded = True
+            record = Spawn(box, ticks_now())
             self._spawning.append(record)
         return record
 
@@ -228,7 +228,8 @@ class CgroupContainment(Containment):
             with self._spawns:
                 tasks = {s.pid: s for s in self._spawning if s.pid is not None}
                 pending = [s.since for s in self._spawning if s.pid is None]
-                crowded = record.crowded
+                # Those that could have made an orphan: begun before it was born.
+                others = [s.since for s in self._spawning if s is not record]
             late = time.monotonic() > deadline
             take: list[int] = []
             kill: list[int] = []
@@ -240,17 +241,17 @@ class CgroupContainment(Containment):
                     continue  # gone
                 if stray == me or st.session == session or st.start < record.since:
                     continue  # the worker's own (its warden), or older than the task
-                owner = _owner_of(st, tasks)
+                owner = _owner_of(st, tasks, me)
                 if owner is record:
                     (take if rounds <= _SWEEP_MOVE_ROUNDS else kill).append(stray)
                 elif owner is not None:
-                    continue  # another task's: its own sweep takes it
+                    continue  # another task's (its own sweep takes it), or the worker's
                 elif not late and any(since <= st.start for since in pending):
                     unsure = max(unsure, st.start)  # perhaps of a task not known yet
-                elif crowded:
-                    kill.append(stray)
+                elif any(since <= st.start for since in others):
+                    kill.append(stray)  # an orphan of this task or of another: cannot tell
                 else:
-                    take.append(stray)
+                    take.append(stray)  # an orphan born while only this task was starting
             if not (take or kill) and unsure < 0:
                 return
             if kill and rounds <= _SWEEP_MOVE_ROUNDS:
@@ -526,18 +527,26 @@ def _pidfd_of_member(
     return None
 
 
-def _owner_of(stray: ProcStat, tasks: Mapping[int, Spawn]) -> Spawn | None:
-    """The spawn whose task process (``tasks``, by pid) a stray came from:
-    by its session, else by its parent, its parent's parent and so on; None
-    where they reach none (or one of them is gone meanwhile)."""
+def _owner_of(
+    stray: ProcStat, tasks: Mapping[int, Spawn], me: int
+) -> Spawn | Literal["worker"] | None:
+    """Whose a stray in ``worker/`` is: the spawn whose task process
+    (``tasks``, by pid) leads its session or is one of its parents, its
+    parent's parents and so on; ``_WORKERS`` if those reach the worker
+    process ``me`` first ("worker": a process its host program started;
+    embedded, the worker process is the user's); None for an orphan, whose parents
+    reach neither (a task's double-forked daemon, reparented to init or a
+    subreaper), or one whose parent is gone meanwhile."""
     if stray.session in tasks:
         return tasks[stray.session]
-    parent, me = stray.parent, os.getpid()
+    parent = stray.parent
     try:
         for _ in range(_PARENTS_MAX):
             if parent in tasks:
                 return tasks[parent]
-            if parent <= 1 or parent == me:
+            if parent == me:
+                return "worker"
+            if parent <= 1:
                 return None
             parent = proc_stat(parent).parent
     except (ProcessLookupError, FileNotFoundError, ValueError):
