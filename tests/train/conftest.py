@@ -17,14 +17,24 @@ DIST_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
+# What seeding and Trainer(deterministic=...) set for the whole process, as
+# Lightning does: put back after each test.
+PROCESS_VARS = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "CUBLAS_WORKSPACE_CONFIG")
 
 
 @pytest.fixture(autouse=True)
-def _single_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Tests run as one process even inside a distributed job, and write to tmp_path."""
-    for name in DIST_VARS:
+def _single_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """Tests run as one process even inside a distributed job, and write to
+    tmp_path; the process-wide flags a Trainer may set are put back."""
+    for name in DIST_VARS + PROCESS_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    benchmark = torch.backends.cudnn.benchmark
+    yield
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.backends.cudnn.benchmark = benchmark
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -18,20 +18,29 @@ PUBLIC = {
     "Callback",
     "CheckpointError",
     "EarlyStopping",
+    "LearningRateMonitor",
+    "LightningDataModule",
+    "LightningModule",
     "Logger",
     "ModelCheckpoint",
+    "ModelSummary",
     "Module",
     "TensorBoardLogger",
     "Trainer",
     "TrainerError",
+    "callbacks",
+    "loggers",
     "seed_everything",
 }
+SUBMODULES = {"callbacks", "loggers"}  # lightning.pytorch.callbacks and .loggers
 
 
 def test_exported_members() -> None:
     assert set(gpulayer.train.__all__) == PUBLIC
-    for name in PUBLIC:
+    for name in PUBLIC - SUBMODULES:
         assert getattr(gpulayer.train, name).__module__.startswith("gpulayer.train.")
+    for name in SUBMODULES:
+        assert getattr(gpulayer.train, name).__name__ == f"gpulayer.train.{name}"
 
 
 def test_import_gpulayer_does_not_import_torch() -> None:

@@ -149,6 +149,10 @@ def test_hooks_run_in_order(tmp_path: Path) -> None:
     fit([1.0], [Order()], tmp_path)
     assert calls == [
         "on_fit_start",
+        # Lightning's sanity check: num_sanity_val_steps=2 validation batches first.
+        "on_validation_epoch_start",
+        "on_validation_epoch_end",
+        "on_validation_end",
         "on_train_start",
         "on_train_epoch_start",
         "on_train_batch_end",

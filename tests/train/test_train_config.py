@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -35,7 +36,10 @@ def test_trainer_error_is_a_gpulayer_error() -> None:
         ({"max_steps": -2}, "max_steps=-2 must be an int >= -1"),
         ({"max_epochs": 1.5}, "max_epochs=1.5 must be an int >= -1"),
         ({"log_every_n_steps": 0}, "log_every_n_steps=0 must be an int >= 1"),
-        ({"limit_train_batches": 0.5}, "limit_train_batches=0.5 must be an int >= 0 or None"),
+        (
+            {"limit_train_batches": 1.5},
+            "limit_train_batches=1.5 must be an int >= 0 (batches) or a float in [0.0, 1.0]",
+        ),
         ({"gradient_clip_val": -1}, "gradient_clip_val=-1 must be a number >= 0 or None"),
         (
             {"gradient_clip_algorithm": "l1"},
@@ -220,7 +224,10 @@ def test_a_dict_output_and_a_skipped_batch_are_accepted() -> None:
     ("value", "expected"),
     [
         (torch.ones(3), "got a tensor of shape (3,); log one value"),
-        ("high", "got str; valid values: a 1-element tensor, an int or a float"),
+        (
+            "high",
+            "got str; valid values: a 1-element tensor, an int, a float or a torchmetrics Metric",
+        ),
         (True, "got bool"),
     ],
 )
@@ -299,3 +306,43 @@ def test_validation_data_without_validation_step_fails_before_training() -> None
         Trainer(**quiet(max_epochs=1)).fit(module, make_batches(2), make_batches(1))
     with pytest.raises(TrainerError, match="defines no validation_step"):
         Trainer(**quiet()).validate(module, make_batches(1))
+
+
+@pytest.mark.parametrize(
+    ("given", "words"),
+    [
+        ({"profiler": "simple"}, "Trainer(profiler='simple') is Lightning's"),
+        ({"sync_batchnorm": True}, "convert_sync_batchnorm"),
+        ({"min_epochs": 2}, "stop with max_epochs"),
+        ({"max_epoch": 3}, "unknown argument 'max_epoch'; did you mean 'max_epochs'?"),
+    ],
+)
+def test_lightning_arguments_it_does_not_take_are_refused_naming_them(
+    given: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(TrainerError, match=re.escape(words)):
+        Trainer(**quiet(max_epochs=1), **given)
+
+
+def test_lightning_arguments_at_their_default_change_nothing_and_are_accepted() -> None:
+    Trainer(
+        **quiet(max_epochs=1),
+        profiler=None,
+        sync_batchnorm=False,
+        inference_mode=True,
+        use_distributed_sampler=True,
+        detect_anomaly=False,
+    )
+
+
+@pytest.mark.parametrize("mode", [True, "warn"])
+def test_deterministic_makes_torch_deterministic_as_lightning_does(mode: bool | str) -> None:
+    import os
+
+    Trainer(**quiet(max_epochs=1), deterministic=mode)
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.is_deterministic_algorithms_warn_only_enabled() == (mode == "warn")
+    assert torch.backends.cudnn.benchmark is False
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    with pytest.raises(TrainerError, match="deterministic='yes' is not supported"):
+        Trainer(**quiet(max_epochs=1), deterministic="yes")

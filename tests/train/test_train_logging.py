@@ -112,11 +112,12 @@ def test_csv_logger_writes_steps_and_epochs(tmp_path: Path) -> None:
 
 
 def test_csv_logger_widens_its_header(tmp_path: Path) -> None:
-    logger = CSVLogger(tmp_path)
+    logger = CSVLogger(tmp_path, flush_logs_every_n_steps=1)
     logger.log_metrics({"a": 1.0}, step=1)
     logger.log_metrics({"a": 2.0}, step=2)
     logger.log_metrics({"b": 3.0}, step=3)
-    assert (tmp_path / "metrics.csv").read_text().splitlines() == [
+    metrics = tmp_path / "lightning_logs" / "version_0" / "metrics.csv"  # Lightning's layout
+    assert metrics.read_text().splitlines() == [
         "step,a,b",
         "1,1.0,",
         "2,2.0,",
@@ -129,7 +130,7 @@ def test_tensorboard_logger(tmp_path: Path) -> None:
     logger = TensorBoardLogger(tmp_path)
     trainer = Trainer(**quiet(max_epochs=1, log_every_n_steps=1, logger=[logger]))
     trainer.fit(Regression(), make_batches(2))
-    assert list(tmp_path.glob("events.out.tfevents.*"))
+    assert list((tmp_path / "lightning_logs" / "version_0").glob("events.out.tfevents.*"))
 
 
 def test_tensorboard_logger_explains_a_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,11 +2,19 @@
 
 Importing this package imports torch (``pip install gpulayer[torch]``);
 ``import gpulayer`` alone does not. See ``docs/trainer.md``.
+
+It also stands in for ``lightning.pytorch`` in a port: ``import
+gpulayer.train as L`` gives ``L.LightningModule``, ``L.Trainer``,
+``L.LightningDataModule``, ``L.Callback``, ``L.seed_everything``, and the
+submodules ``L.callbacks`` and ``L.loggers`` (``lightning.pytorch.callbacks``
+and ``.loggers``). Nothing here imports lightning, torchmetrics or tensorboard.
 """
 
 from __future__ import annotations
 
-from gpulayer.train.callbacks import Callback, EarlyStopping
+from gpulayer.train import callbacks, loggers
+from gpulayer.train.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelSummary
+from gpulayer.train.datamodule import LightningDataModule
 from gpulayer.train.errors import CheckpointError, TrainerError
 from gpulayer.train.loggers import CSVLogger, Logger, TensorBoardLogger
 from gpulayer.train.model_checkpoint import ModelCheckpoint
@@ -14,16 +22,25 @@ from gpulayer.train.module import Module
 from gpulayer.train.seed import seed_everything
 from gpulayer.train.trainer import Trainer
 
+#: Lightning's name for :class:`Module`.
+LightningModule = Module
+
 __all__ = [
     "CSVLogger",
     "Callback",
     "CheckpointError",
     "EarlyStopping",
+    "LearningRateMonitor",
+    "LightningDataModule",
+    "LightningModule",
     "Logger",
     "ModelCheckpoint",
+    "ModelSummary",
     "Module",
     "TensorBoardLogger",
     "Trainer",
     "TrainerError",
+    "callbacks",
+    "loggers",
     "seed_everything",
 ]

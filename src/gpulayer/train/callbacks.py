@@ -1,14 +1,20 @@
-"""Callbacks: code that runs at fixed points of the loop, and EarlyStopping.
+"""Callbacks: code that runs at fixed points of the loop, and the stock ones.
 
 Hooks take ``(trainer, module, ...)`` like Lightning's. The loop calls a
 per-batch hook only on callbacks that override it, so an unused hook costs
-nothing per step.
+nothing per step. This module is also ``lightning.pytorch.callbacks`` for a
+port: ``ModelCheckpoint``, ``EarlyStopping``, ``LearningRateMonitor`` and
+``ModelSummary`` import from here; Lightning's callbacks GPUlayer does not
+provide fail on import, naming themselves.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from gpulayer.train.errors import TrainerError, invalid_choice
 
@@ -16,7 +22,40 @@ if TYPE_CHECKING:
     from gpulayer.train.module import Module
     from gpulayer.train.trainer import Trainer
 
+__all__ = [
+    "Callback",
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "ModelCheckpoint",
+    "ModelSummary",
+]
+
 MODES = ("min", "max")
+LR_INTERVALS = ("step", "epoch", None)
+#: Lightning's callbacks GPUlayer does not provide, and what to do instead.
+NOT_PROVIDED = {
+    "RichProgressBar": "the Trainer shows plain-text progress (enable_progress_bar)",
+    "TQDMProgressBar": "the Trainer shows plain-text progress (enable_progress_bar)",
+    "ProgressBar": "the Trainer shows plain-text progress (enable_progress_bar)",
+    "RichModelSummary": "use ModelSummary",
+    "StochasticWeightAveraging": "use torch.optim.swa_utils in your own Callback",
+    "WeightAveraging": "use torch.optim.swa_utils in your own Callback",
+    "EMAWeightAveraging": "use torch.optim.swa_utils in your own Callback",
+    "GradientAccumulationScheduler": "use Trainer(accumulate_grad_batches=N)",
+    "BatchSizeFinder": "choose the batch size yourself",
+    "LearningRateFinder": "choose the learning rate yourself",
+    "DeviceStatsMonitor": "log device statistics in your own Callback",
+    "BasePredictionWriter": "write predict()'s returned outputs yourself",
+    "BackboneFinetuning": "freeze parameters (requires_grad_) in your own Callback",
+    "BaseFinetuning": "freeze parameters (requires_grad_) in your own Callback",
+    "ModelPruning": "use torch.nn.utils.prune in your own Callback",
+    "OnExceptionCheckpoint": "resume from last.ckpt (ckpt_path='last')",
+    "Timer": "use Trainer(max_steps=...) or set trainer.should_stop in a Callback",
+    "ThroughputMonitor": "time steps in your own Callback",
+    "SpikeDetection": "watch the loss in your own Callback",
+    "LambdaCallback": "subclass Callback",
+    "Checkpoint": "subclass ModelCheckpoint or Callback",
+}
 
 
 class Callback:
@@ -167,3 +206,157 @@ class EarlyStopping(Callback):
         self.wait_count = state["wait_count"]
         self.stopped_epoch = state["stopped_epoch"]
         self.best_score = state["best_score"]
+
+
+class LearningRateMonitor(Callback):
+    """Log each optimizer's learning rate as ``lr-<Optimizer>``, as Lightning does.
+
+    ``logging_interval="step"`` logs at every logging step (``log_every_n_steps``),
+    ``"epoch"`` at each epoch start, ``None`` at the interval of each optimizer's
+    scheduler (an optimizer without one: both). Several parameter groups are
+    ``lr-SGD/pg1``, ``lr-SGD/pg2`` (or ``lr-SGD/<group name>``);
+    ``log_momentum`` adds ``lr-SGD-momentum`` (Adam's ``betas[0]``),
+    ``log_weight_decay`` adds ``lr-SGD-weight_decay``.
+
+    The values come from ``optimizer.param_groups``: Python floats, so logging
+    them never waits on the device.
+    """
+
+    def __init__(
+        self,
+        logging_interval: str | None = None,
+        log_momentum: bool = False,
+        log_weight_decay: bool = False,
+    ) -> None:
+        if logging_interval not in LR_INTERVALS:
+            raise invalid_choice(
+                "LearningRateMonitor(logging_interval)", logging_interval, LR_INTERVALS
+            )
+        self.logging_interval = logging_interval
+        self.log_momentum = log_momentum
+        self.log_weight_decay = log_weight_decay
+        self.lrs: dict[str, list[float]] = {}
+
+    def on_train_start(self, trainer: Trainer, module: Module) -> None:
+        if not trainer.loggers:
+            raise TrainerError(
+                "LearningRateMonitor needs a logger, but the Trainer has logger=False; "
+                "pass logger=True (or a Logger), or remove LearningRateMonitor"
+            )
+        for optimizer, _ in self._optimizers(trainer):
+            for key in ("lr", "momentum", "betas", "weight_decay"):
+                for group in optimizer.param_groups:
+                    _check_host_value(group.get(key), key, optimizer)
+            names = [g.get("name", f"pg{i}") for i, g in enumerate(optimizer.param_groups, 1)]
+            if len(set(names)) != len(names):
+                raise TrainerError(
+                    f"LearningRateMonitor: {type(optimizer).__name__} has parameter groups "
+                    f"with the same name ({', '.join(map(str, names))}); give each group a "
+                    f"different 'name'"
+                )
+
+    def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None:
+        if self.logging_interval != "step":
+            self._log(trainer, "epoch" if self.logging_interval is None else "any")
+
+    def on_train_batch_start(
+        self, trainer: Trainer, module: Module, batch: Any, batch_idx: int
+    ) -> None:
+        # Before the batch's step, on the batches whose step will be logged.
+        if self.logging_interval == "epoch":
+            return
+        if (trainer.global_step + 1) % trainer.log_every_n_steps and not trainer.should_stop:
+            return
+        self._log(trainer, "step" if self.logging_interval is None else "any")
+
+    def _optimizers(self, trainer: Trainer) -> list[tuple[torch.optim.Optimizer, str | None]]:
+        """Each optimizer with its scheduler's interval (None: it has no scheduler)."""
+        run = getattr(trainer, "_run", None)
+        intervals = {
+            id(c.scheduler.optimizer): c.interval
+            for c in (getattr(run, "schedulers", None) or [])
+            if hasattr(c.scheduler, "optimizer")
+        }
+        return [(opt, intervals.get(id(opt))) for opt in trainer.optimizers]
+
+    def _log(self, trainer: Trainer, interval: str) -> None:
+        stats: dict[str, float] = {}
+        seen: dict[type, int] = {}
+        for optimizer, scheduled in self._optimizers(trainer):
+            kind = type(optimizer)
+            seen[kind] = seen.get(kind, 0) + 1
+            if scheduled is not None and interval not in (scheduled, "any"):
+                continue
+            base = f"lr-{kind.__name__}" + (f"-{seen[kind] - 1}" if seen[kind] > 1 else "")
+            stats.update(self._stats(optimizer, base))
+        if not stats:
+            return
+        trainer.callback_metrics.update(stats)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(stats, trainer.global_step)
+
+    def _stats(self, optimizer: torch.optim.Optimizer, base: str) -> dict[str, float]:
+        groups = optimizer.param_groups
+        uses_betas = "betas" in optimizer.defaults
+        stats: dict[str, float] = {}
+        for index, group in enumerate(groups, 1):
+            if len(groups) > 1:
+                name = f"{base}/{group.get('name', f'pg{index}')}"
+            else:
+                name = f"{base}/{group['name']}" if group.get("name") else base
+            stats[name] = _host_float(group["lr"])
+            self.lrs.setdefault(name, []).append(stats[name])
+            if self.log_momentum:
+                momentum = group["betas"][0] if uses_betas else group.get("momentum", 0.0)
+                stats[f"{name}-momentum"] = _host_float(momentum)
+            if self.log_weight_decay:
+                stats[f"{name}-weight_decay"] = _host_float(group.get("weight_decay", 0.0))
+        return stats
+
+
+def _check_host_value(value: Any, key: str, optimizer: torch.optim.Optimizer) -> None:
+    values = value if isinstance(value, Sequence) and not isinstance(value, str) else [value]
+    for item in values:
+        if isinstance(item, torch.Tensor) and item.device.type != "cpu":
+            raise TrainerError(
+                f"LearningRateMonitor: {type(optimizer).__name__}'s {key} is a tensor on "
+                f"{item.device}; reading it every logging step would wait on the device. "
+                f"Keep {key} a float or a CPU tensor, or remove LearningRateMonitor"
+            )
+
+
+def _host_float(value: Any) -> float:
+    # A float, or a CPU tensor (checked at train start): no device wait.
+    return float(value)
+
+
+class ModelSummary(Callback):
+    """Print the module's layers and parameter counts when ``fit`` starts (rank 0),
+    down to ``max_depth`` levels (-1: all), as Lightning's ModelSummary."""
+
+    def __init__(self, max_depth: int = 1) -> None:
+        if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < -1:
+            raise TrainerError(f"ModelSummary(max_depth={max_depth!r}) must be an int >= -1")
+        self.max_depth = max_depth
+
+    def on_fit_start(self, trainer: Trainer, module: Module) -> None:
+        if self.max_depth != 0 and trainer.is_global_zero:
+            from gpulayer.train.summary import model_summary
+
+            print(model_summary(module, max_depth=self.max_depth))
+
+
+def __getattr__(name: str) -> Any:
+    # `from gpulayer.train.callbacks import RichProgressBar` in a ported script
+    # fails here, naming the callback, rather than with a bare ImportError.
+    if name in NOT_PROVIDED:
+        raise TrainerError(
+            f"{name} is a Lightning callback GPUlayer does not provide; {NOT_PROVIDED[name]}"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# Last, because model_checkpoint imports Callback from this module (which
+# gpulayer/train/__init__.py always loads first).
+from gpulayer.train.model_checkpoint import ModelCheckpoint  # noqa: E402

@@ -16,6 +16,7 @@ from torch.utils.data import (
 
 from gpulayer.train.environment import ClusterEnvironment
 from gpulayer.train.errors import TrainerError
+from gpulayer.train.seed import add_worker_init_fn
 
 
 def check_reiterable(data: Any, argument: str) -> None:
@@ -25,6 +26,11 @@ def check_reiterable(data: Any, argument: str) -> None:
         raise TrainerError(
             f"{argument} must be a DataLoader or a re-iterable of batches (e.g. a list); "
             f"got {type(data).__name__}"
+        )
+    if isinstance(data, list | tuple) and data and all(isinstance(d, DataLoader) for d in data):
+        raise TrainerError(
+            f"{argument} is a list of {len(data)} DataLoaders; several dataloaders in one "
+            f"call are not supported (a list is read as a list of batches): pass one"
         )
     if isinstance(data, Iterator):
         raise TrainerError(
@@ -51,7 +57,12 @@ class _Strided:
 
 
 def shard(data: Iterable[Any], env: ClusterEnvironment, *, shuffle: bool, seed: int) -> Any:
-    """``data`` as this rank's share. Every rank gets the same number of batches."""
+    """``data`` as this rank's share. Every rank gets the same number of batches.
+
+    After ``seed_everything(..., workers=True)`` a DataLoader also gets the
+    seeding ``worker_init_fn`` (before sharding, so the copy keeps it).
+    """
+    add_worker_init_fn(data, env.global_rank)
     if not env.distributed:
         return data
     rank, world = env.global_rank, env.world_size

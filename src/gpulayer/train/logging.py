@@ -6,10 +6,18 @@ are folded into an on-device accumulator with one small kernel per call. The
 host sees them only when :func:`to_host` is called, which the loop does every
 ``log_every_n_steps`` optimizer steps and at the end of an epoch, and which
 reads every metric of a device in one transfer.
+
+A ``torchmetrics.Metric`` may be logged too, as in Lightning: the user updates
+it on the device (``self.acc(preds, y)``); per step the store keeps a
+reference to the value of its last forward call, and at the end of the epoch
+it calls ``compute()`` (which also syncs the metric across ranks) and then
+``reset()``. torchmetrics is never imported here: a Metric can only exist if
+its package is already loaded.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +44,15 @@ class _Metric:
     last: Value | None = None
     total: Value | None = None
     weight: float = 0.0
+    source: Any = None  # the torchmetrics Metric logged under this name, if one was
+    computed: torch.Tensor | None = None  # its compute() at the epoch end
+    done: bool = False  # computed (when on_epoch) and reset for this epoch
+
+
+def is_metric_object(value: Any) -> bool:
+    """Whether ``value`` is a ``torchmetrics.Metric`` (without importing torchmetrics)."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    return torchmetrics is not None and isinstance(value, torchmetrics.Metric)
 
 
 def infer_batch_size(batch: Any) -> int:
@@ -98,6 +115,9 @@ class MetricStore:
         metric = self._metrics.get(name)
         if metric is None:
             metric = self._define(name, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+        if is_metric_object(value):
+            self._log_metric_object(name, metric, value)
+            return
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise TrainerError(
@@ -110,7 +130,7 @@ class MetricStore:
         else:
             raise TrainerError(
                 f"self.log({name!r}, ...) got {type(value).__name__}; valid values: a "
-                f"1-element tensor, an int or a float"
+                f"1-element tensor, an int, a float or a torchmetrics Metric"
             )
         if metric.on_step:
             metric.last = value
@@ -125,6 +145,20 @@ class MetricStore:
             else:
                 metric.total = _fold(metric.total, value, metric.reduce_fx, weight)
             metric.weight += weight
+
+    def _log_metric_object(self, name: str, metric: _Metric, value: Any) -> None:
+        if metric.source is not None and metric.source is not value:
+            raise TrainerError(
+                f"self.log({name!r}, ...) got a different {type(value).__name__} object than "
+                f"before under the same name; log one Metric object per name"
+            )
+        metric.source = value
+        if metric.on_step:
+            # The value of the batch the user just passed to the metric: a
+            # reference to a device tensor, nothing is read.
+            cache = getattr(value, "_forward_cache", None)
+            if isinstance(cache, torch.Tensor):
+                metric.last = cache.detach()
 
     def _define(
         self,
@@ -166,7 +200,12 @@ class MetricStore:
         """Each per-epoch metric reduced over the epoch (and ranks, if sync_dist)."""
         out: dict[str, Value] = {}
         shared: dict[str, list[tuple[str, _Metric]]] = {}
+        self._compute_metric_objects()
         for name, m in self._metrics.items():
+            if m.source is not None:
+                if m.on_epoch and m.computed is not None:
+                    out[self._key(name, m, "epoch")] = m.computed
+                continue
             if not m.on_epoch or m.total is None:
                 continue
             key = self._key(name, m, "epoch")
@@ -177,6 +216,26 @@ class MetricStore:
         for reduce_fx, items in shared.items():
             out.update(_reduce_across_ranks(reduce_fx, items, reducer))  # type: ignore[arg-type]
         return out
+
+    def _compute_metric_objects(self) -> None:
+        # Once per epoch, as Lightning does: compute the on_epoch ones, then
+        # reset every Metric logged this epoch. A second call reuses the result.
+        for name, m in self._metrics.items():
+            if m.source is None or m.done:
+                continue
+            if m.on_epoch:
+                value = m.source.compute()
+                if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+                    raise TrainerError(
+                        f"self.log({name!r}, {type(m.source).__name__}): its compute() "
+                        f"returned {type(value).__name__}"
+                        f"{f' of shape {shape}' if shape is not None else ''}; log a Metric "
+                        f"that computes one value, or log its entries one by one"
+                    )
+                m.computed = value.detach().reshape(())
+            m.source.reset()
+            m.done = True
 
     def keys_where(self, flag: str) -> set[str]:
         """Names (as reported) of the metrics with ``prog_bar`` or ``logger`` set."""

@@ -20,19 +20,139 @@ if TYPE_CHECKING:
     from gpulayer.train.logging import MetricStore
     from gpulayer.train.trainer import Trainer
 
+# Every hook Lightning 2.6.6 defines, kept here as data: the public methods of
+# ModelHooks, DataHooks and CheckpointHooks in lightning/pytorch/core/hooks.py,
+# and the loop methods a LightningModule may override
+# (lightning/pytorch/core/module.py). tests/train/test_lightning_parity_loops.py
+# checks the lists against the installed Lightning.
+LIGHTNING_MODEL_HOOKS = (
+    "configure_model",
+    "configure_sharded_model",
+    "on_after_backward",
+    "on_before_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_fit_end",
+    "on_fit_start",
+    "on_predict_batch_end",
+    "on_predict_batch_start",
+    "on_predict_end",
+    "on_predict_epoch_end",
+    "on_predict_epoch_start",
+    "on_predict_model_eval",
+    "on_predict_start",
+    "on_test_batch_end",
+    "on_test_batch_start",
+    "on_test_end",
+    "on_test_epoch_end",
+    "on_test_epoch_start",
+    "on_test_model_eval",
+    "on_test_model_train",
+    "on_test_start",
+    "on_train_batch_end",
+    "on_train_batch_start",
+    "on_train_end",
+    "on_train_epoch_end",
+    "on_train_epoch_start",
+    "on_train_start",
+    "on_validation_batch_end",
+    "on_validation_batch_start",
+    "on_validation_end",
+    "on_validation_epoch_end",
+    "on_validation_epoch_start",
+    "on_validation_model_eval",
+    "on_validation_model_train",
+    "on_validation_model_zero_grad",
+    "on_validation_start",
+)
+LIGHTNING_DATA_HOOKS = (
+    "on_after_batch_transfer",
+    "on_before_batch_transfer",
+    "predict_dataloader",
+    "prepare_data",
+    "setup",
+    "teardown",
+    "test_dataloader",
+    "train_dataloader",
+    "transfer_batch_to_device",
+    "val_dataloader",
+)
+LIGHTNING_CHECKPOINT_HOOKS = ("on_load_checkpoint", "on_save_checkpoint")
+LIGHTNING_LOOP_METHODS = (
+    "backward",
+    "configure_callbacks",
+    "configure_gradient_clipping",
+    "lr_scheduler_step",
+    "optimizer_step",
+    "optimizer_zero_grad",
+)
+#: The Lightning hooks GPUlayer does not call: defining one is refused.
+UNCALLED_HOOKS = {
+    "configure_sharded_model": "it is deprecated in Lightning; use configure_model",
+    "backward": "override on_before_backward/on_after_backward, or use manual optimization",
+    "configure_callbacks": "pass the callbacks to Trainer(callbacks=...)",
+    "configure_gradient_clipping": "use Trainer(gradient_clip_val=..., gradient_clip_algorithm=...)",
+    "lr_scheduler_step": "return a torch scheduler (stepped by the Trainer) or use manual optimization",
+    "optimizer_step": "use on_before_optimizer_step, or manual optimization",
+    "optimizer_zero_grad": "use on_before_zero_grad, or manual optimization",
+}
 
-def move_to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor in it (through lists, tuples, dicts) on ``device``."""
+
+def refuse_uncalled_hooks(obj: object, base: type, hooks: Iterable[str]) -> None:
+    """Refuse ``obj`` if its class defines a Lightning hook that GPUlayer never calls.
+
+    Such a hook would silently not run; among ``hooks``, the ones ``base``
+    does not define are the ones GPUlayer does not call.
+    """
+    cls = type(obj)
+    found = [
+        name
+        for name in hooks
+        if name in UNCALLED_HOOKS or not hasattr(base, name)
+        if getattr(cls, name, None) is not getattr(base, name, None)
+    ]
+    if found:
+        advice = "; ".join(f"{n}: {UNCALLED_HOOKS.get(n, 'not supported')}" for n in found)
+        raise TrainerError(
+            f"{cls.__name__} defines {', '.join(found)}, which the GPUlayer Trainer never "
+            f"calls (it would silently not run); remove it. Instead: {advice}"
+        )
+
+
+def init_arguments(frame: Any, names: tuple[str, ...], ignore: Iterable[str]) -> dict[str, Any]:
+    """The ``__init__`` arguments seen in ``frame`` (for save_hyperparameters)."""
+    args = inspect.getargvalues(frame)
+    values = {n: args.locals[n] for n in args.args if n != "self"}
+    if args.keywords:
+        values.update(args.locals[args.keywords])
+    skip = set(ignore)
+    chosen = names or tuple(values)
+    unknown = [n for n in chosen if n not in values]
+    if unknown:
+        raise TrainerError(
+            f"save_hyperparameters{tuple(names)!r}: {', '.join(unknown)} not among "
+            f"the __init__ arguments ({', '.join(values) or 'none'})"
+        )
+    return {n: values[n] for n in chosen if n not in skip}
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
+    """``batch`` with every tensor in it (through lists, tuples, dicts) on ``device``.
+
+    ``non_blocking``: a pinned host batch is copied while the GPU still works
+    (never for copies to the host, which could be read before they land).
+    """
     if isinstance(batch, torch.Tensor):
-        # non_blocking: a pinned host batch is copied while the GPU still works.
-        return batch.to(device, non_blocking=True)
+        return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, list):
-        return [move_to_device(b, device) for b in batch]
+        return [move_to_device(b, device, non_blocking) for b in batch]
     if isinstance(batch, tuple):
-        moved = [move_to_device(b, device) for b in batch]
+        moved = [move_to_device(b, device, non_blocking) for b in batch]
         return type(batch)(*moved) if hasattr(batch, "_fields") else tuple(moved)
     if isinstance(batch, Mapping):
-        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+        return type(batch)(  # type: ignore[call-arg]
+            {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
+        )
     return batch
 
 
@@ -87,33 +207,143 @@ class Module(torch.nn.Module):
             f"optionally 'lr_scheduler'"
         )
 
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        raise TrainerError(
+            f"{type(self).__name__} defines no test_step(batch, batch_idx), which test() needs"
+        )
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """As Lightning's default: the module called on the batch."""
+        return self(batch)
+
+    # ---- data (used when a call gets no dataloaders and no datamodule) -----
+    def prepare_data(self) -> None:
+        """Download or write data, once per node (local rank 0), before setup."""
+
+    #: As Lightning: False runs prepare_data on global rank 0 only.
+    prepare_data_per_node: bool = True
+
+    def setup(self, stage: str) -> None:
+        """Called on every rank with "fit", "validate", "test" or "predict"."""
+
+    def teardown(self, stage: str) -> None:
+        """Called on every rank when fit/validate/test/predict returns."""
+
+    def configure_model(self) -> None:
+        """Build layers here to create them after setup (called once per call)."""
+
     def train_dataloader(self) -> Any:
-        """Training data when ``fit`` is given none (optional)."""
         return None
 
     def val_dataloader(self) -> Any:
-        """Validation data when ``fit``/``validate`` are given none (optional)."""
         return None
+
+    def test_dataloader(self) -> Any:
+        return None
+
+    def predict_dataloader(self) -> Any:
+        return None
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
 
     def transfer_batch_to_device(
         self, batch: Any, device: torch.device, dataloader_idx: int
     ) -> Any:
         return move_to_device(batch, device)
 
-    # ---- hooks -----------------------------------------------------------
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    # ---- hooks (no-ops unless overridden) ----------------------------------
     def on_fit_start(self) -> None: ...
     def on_fit_end(self) -> None: ...
     def on_train_start(self) -> None: ...
     def on_train_end(self) -> None: ...
     def on_train_epoch_start(self) -> None: ...
     def on_train_epoch_end(self) -> None: ...
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        """Return -1 to skip the rest of the epoch, as in Lightning."""
+        return None
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_before_backward(self, loss: torch.Tensor) -> None: ...
+    def on_after_backward(self) -> None: ...
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_validation_start(self) -> None: ...
+    def on_validation_end(self) -> None: ...
     def on_validation_epoch_start(self) -> None: ...
     def on_validation_epoch_end(self) -> None: ...
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None: ...
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def on_validation_batch_start(
+        self, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None: ...
+    def on_validation_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None: ...
+    def on_validation_model_zero_grad(self) -> None:
+        self.zero_grad()
+
+    def on_validation_model_eval(self) -> None:
+        self.eval()
+
+    def on_validation_model_train(self) -> None:
+        """By default the loop puts back each submodule's mode from before."""
+
+    def on_test_start(self) -> None: ...
+    def on_test_end(self) -> None: ...
+    def on_test_epoch_start(self) -> None: ...
+    def on_test_epoch_end(self) -> None: ...
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None: ...
+    def on_test_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None: ...
+    def on_test_model_eval(self) -> None:
+        self.eval()
+
+    def on_test_model_train(self) -> None:
+        """By default the loop puts back each submodule's mode from before."""
+
+    def on_predict_start(self) -> None: ...
+    def on_predict_end(self) -> None: ...
+    def on_predict_epoch_start(self) -> None: ...
+    def on_predict_epoch_end(self) -> None: ...
+    def on_predict_batch_start(
+        self, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None: ...
+    def on_predict_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None: ...
+    def on_predict_model_eval(self) -> None:
+        self.eval()
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None: ...
+
+    # ---- manual optimization -----------------------------------------------
+    #: Set to False (in __init__) to step the optimizers yourself in training_step.
+    automatic_optimization: bool = True
+
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """The optimizer (or the list of them) from configure_optimizers.
+
+        Their ``step()`` goes through the precision's gradient scaler and
+        counts in ``global_step``, as Lightning's wrappers do.
+        """
+        wrapped = self.trainer._manual_optimizers()
+        found: list[Any] = wrapped if use_pl_optimizer else [w.optimizer for w in wrapped]
+        return found[0] if len(found) == 1 else found
+
+    def lr_schedulers(self) -> Any:
+        """The scheduler (or list of them), or None; step them yourself."""
+        found = self.trainer.lr_schedulers
+        if not found:
+            return None
+        return found[0] if len(found) == 1 else found
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward()`` through the precision's scaler, with the backward hooks."""
+        self.trainer._backward(loss, *args, **kwargs)
 
     # ---- logging ---------------------------------------------------------
     def log(
@@ -172,6 +402,17 @@ class Module(torch.nn.Module):
         object.__setattr__(self, "_metric_store", store)
 
     @property
+    def logger(self) -> Any:
+        """The Trainer's first logger (None without loggers), as Lightning."""
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        return trainer.logger if trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        return list(trainer.loggers) if trainer is not None else []
+
+    @property
     def device(self) -> torch.device:
         for param in self.parameters():
             return param.device
@@ -205,19 +446,7 @@ class Module(torch.nn.Module):
         caller = frame.f_back if frame is not None else None
         if caller is None:  # pragma: no cover - CPython always has frames
             return
-        args = inspect.getargvalues(caller)
-        values = {n: args.locals[n] for n in args.args if n != "self"}
-        if args.keywords:
-            values.update(args.locals[args.keywords])
-        skip = set(ignore)
-        chosen = names or tuple(values)
-        unknown = [n for n in chosen if n not in values]
-        if unknown:
-            raise TrainerError(
-                f"save_hyperparameters{tuple(names)!r}: {', '.join(unknown)} not among "
-                f"the __init__ arguments ({', '.join(values) or 'none'})"
-            )
-        self.hparams.update({n: values[n] for n in chosen if n not in skip})
+        self.hparams.update(init_arguments(caller, names, ignore))
 
     @classmethod
     def load_from_checkpoint(

@@ -48,8 +48,11 @@ def _scheduler(item: Any, default_monitor: str | None) -> SchedulerConfig:
     return config
 
 
-def parse_optimizers(value: Any) -> tuple[torch.optim.Optimizer, list[SchedulerConfig]]:
-    """One optimizer and its schedulers from ``configure_optimizers()``'s result."""
+def parse_optimizers(
+    value: Any, several: bool = False
+) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
+    """The optimizers (exactly one unless ``several``) and schedulers from
+    ``configure_optimizers()``'s result."""
     if isinstance(value, str | bytes) or not isinstance(
         value, torch.optim.Optimizer | Mapping | Sequence
     ):
@@ -77,14 +80,16 @@ def parse_optimizers(value: Any) -> tuple[torch.optim.Optimizer, list[SchedulerC
         optimizers, schedulers = list(value[0]), list(value[1])
     else:
         optimizers = list(value)
-    if len(optimizers) != 1:
+    if len(optimizers) != 1 and not (several and optimizers):
         raise TrainerError(
             f"configure_optimizers() returned {len(optimizers)} optimizers; the Trainer "
-            f"drives exactly one (automatic optimization)"
+            f"drives exactly one (automatic optimization); for several, set "
+            f"self.automatic_optimization = False and step them in training_step"
         )
-    if not isinstance(optimizers[0], torch.optim.Optimizer):
-        raise TrainerError(
-            f"configure_optimizers() returned {type(optimizers[0]).__name__} where a "
-            f"torch.optim.Optimizer was expected"
-        )
-    return optimizers[0], [_scheduler(s, monitor) for s in schedulers]
+    for optimizer in optimizers:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TrainerError(
+                f"configure_optimizers() returned {type(optimizer).__name__} where a "
+                f"torch.optim.Optimizer was expected"
+            )
+    return optimizers, [_scheduler(s, monitor) for s in schedulers]

@@ -41,14 +41,20 @@ def dump_checkpoint(trainer: Trainer, run: Run) -> dict[str, Any]:
         batch = trainer._batches_done
         epoch_rng = trainer._epoch_rng if batch else None
         loop = {"epoch": trainer.current_epoch, "batch": batch, "epoch_rng": epoch_rng}
+    loop["total_batches"] = trainer._total_batches
     checkpoint.update(
-        optimizer_states=[run.optimizer.state_dict()] if run.optimizer is not None else [],
+        optimizer_states=[o.state_dict() for o in run.optimizers],
         lr_schedulers=[c.scheduler.state_dict() for c in run.schedulers],
         precision=run.precision.state_dict(),
         loop=loop,
         rng=capture_rng_states(),
         callbacks={cb.state_key: cb.state_dict() for cb in run.callbacks},
     )
+    if run.datamodule is not None:
+        # As Lightning: under the datamodule's class name, when it has state.
+        state = run.datamodule.state_dict()
+        if state:
+            checkpoint[type(run.datamodule).__qualname__] = state
     run.module.on_save_checkpoint(checkpoint)
     for cb in run.callbacks:
         cb.on_save_checkpoint(trainer, run.module, checkpoint)
@@ -68,11 +74,14 @@ def restore_checkpoint(trainer: Trainer, run: Run, checkpoint: dict[str, Any]) -
         )
     run.module.on_load_checkpoint(checkpoint)
     run.module.load_state_dict(checkpoint["state_dict"])
-    assert run.optimizer is not None
     states = checkpoint["optimizer_states"]
-    if len(states) != 1:
-        raise CheckpointError(f"the checkpoint holds {len(states)} optimizer states; expected 1")
-    run.optimizer.load_state_dict(states[0])
+    if len(states) != len(run.optimizers):
+        raise CheckpointError(
+            f"the checkpoint holds {len(states)} optimizer states but "
+            f"configure_optimizers() returned {len(run.optimizers)} optimizers"
+        )
+    for optimizer, state in zip(run.optimizers, states, strict=True):
+        optimizer.load_state_dict(state)
     saved = checkpoint["lr_schedulers"]
     if len(saved) != len(run.schedulers):
         raise CheckpointError(
@@ -85,7 +94,17 @@ def restore_checkpoint(trainer: Trainer, run: Run, checkpoint: dict[str, Any]) -
     loop = checkpoint["loop"]
     trainer.global_step = int(checkpoint["global_step"])
     trainer.current_epoch = int(loop["epoch"])
+    trainer._total_batches = int(loop.get("total_batches", 0))
     run.resume = ResumePoint(int(loop["batch"]), loop["epoch_rng"], checkpoint["rng"])
+    restore_datamodule(run, checkpoint)
+
+
+def restore_datamodule(run: Run, checkpoint: dict[str, Any]) -> None:
+    """The datamodule's state, if the checkpoint holds one for its class."""
+    if run.datamodule is not None:
+        key = type(run.datamodule).__qualname__
+        if key in checkpoint:
+            run.datamodule.load_state_dict(checkpoint[key])
 
 
 def restore_callbacks(trainer: Trainer, checkpoint: dict[str, Any]) -> None:

@@ -1,28 +1,38 @@
-"""The Trainer: configuration, set-up, and the public ``fit``/``validate`` calls.
+"""The Trainer: configuration, set-up, and the public ``fit``/``validate``/
+``test``/``predict`` calls.
 
-The loops themselves live in :mod:`gpulayer.train.fit`; what a checkpoint holds
-and how it is put back lives in :mod:`gpulayer.train.state`.
+The training loop lives in :mod:`gpulayer.train.fit`, the evaluation loops in
+:mod:`gpulayer.train.evaluate`; what a checkpoint holds and how it is put
+back lives in :mod:`gpulayer.train.state`.
 
-A ``fit`` call, step by step:
+A call, step by step (``stage`` is "fit", "validate", "test" or "predict"):
 
-1. read the rank layout from the environment (``RANK``, ``WORLD_SIZE``...),
-   pick the device, join the process group when there are several ranks;
+1. refuse hooks the Trainer would not call; read the rank layout from the
+   environment (``RANK``, ``WORLD_SIZE``...), pick the device, join the
+   process group when there are several ranks;
 2. seed (``seed=``), choose the run directory ``<default_root_dir>/<run>``
-   (rank 0 decides, the others are told), move the module to the device;
-3. build the optimizer, restore a checkpoint if ``ckpt_path`` names one,
-   wrap the module in DDP when distributed, shard the data;
-4. run epochs until ``max_epochs``, ``max_steps`` or ``should_stop``;
-5. write ``last.ckpt`` (the default ModelCheckpoint) and close the loggers.
+   (rank 0 decides, the others are told);
+3. ``prepare_data`` on local rank 0 (datamodule's, then module's; the other
+   ranks wait), then ``setup(stage)`` on every rank (datamodule, callbacks,
+   module), ``configure_model``, and the module moves to the device;
+4. fit: build the optimizers, restore a checkpoint if ``ckpt_path`` names
+   one, wrap the module in DDP when distributed, ``on_fit_start``, the
+   sanity check, then epochs until ``max_epochs``, ``max_steps`` or
+   ``should_stop``; the other stages run their loop once;
+5. ``teardown(stage)`` (datamodule, callbacks, module); the loggers close.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from gpulayer.train import distributed
 from gpulayer.train.accelerator import resolve_device, select_accelerator
@@ -33,17 +43,38 @@ from gpulayer.train.config import (
     count_setting,
     default_callbacks,
     default_loggers,
+    fast_dev_run_setting,
+    limit_setting,
     next_version,
+    refuse_unsupported,
     resolve_ckpt_path,
+    set_torch_flags,
+    val_check_setting,
 )
-from gpulayer.train.data import check_reiterable, shard
+from gpulayer.train.data import check_reiterable
+from gpulayer.train.datamodule import LOADERS, LightningDataModule, check_datamodule, defines
 from gpulayer.train.environment import ClusterEnvironment, detect_environment
 from gpulayer.train.errors import TrainerError, invalid_choice
-from gpulayer.train.fit import Run, fit_loop, validation_loop
+from gpulayer.train.evaluate import call_callbacks, run_evaluation, run_prediction, sanity_check
+from gpulayer.train.fit import (
+    ManualOptimizer,
+    Run,
+    backward,
+    ensure_val_data,
+    fit_loop,
+    make_transfer,
+)
 from gpulayer.train.loggers import Logger
 from gpulayer.train.logging import to_host
 from gpulayer.train.model_checkpoint import ModelCheckpoint
-from gpulayer.train.module import Module
+from gpulayer.train.module import (
+    LIGHTNING_CHECKPOINT_HOOKS,
+    LIGHTNING_DATA_HOOKS,
+    LIGHTNING_LOOP_METHODS,
+    LIGHTNING_MODEL_HOOKS,
+    Module,
+    refuse_uncalled_hooks,
+)
 from gpulayer.train.optim import parse_optimizers
 from gpulayer.train.precision import make_precision, parse_precision
 from gpulayer.train.progress import ProgressBar
@@ -60,14 +91,33 @@ CLIP_ALGORITHMS = ("norm", "value")
 #: Lightning's default when neither max_epochs nor max_steps is given.
 DEFAULT_MAX_EPOCHS = 1000
 DEFAULT_ROOT_DIR = "gpulayer_runs"
+#: Lightning's default number of validation batches run before training.
+DEFAULT_SANITY_STEPS = 2
+#: prepare_data may download for hours: the other ranks wait this long for it.
+PREPARE_DATA_TIMEOUT = timedelta(days=7)
+_MODULE_HOOKS = (
+    LIGHTNING_MODEL_HOOKS + LIGHTNING_DATA_HOOKS + LIGHTNING_CHECKPOINT_HOOKS
+) + LIGHTNING_LOOP_METHODS
+
+T = TypeVar("T")
+
+
+def _wait_for_all_ranks(timeout: timedelta) -> None:
+    """A barrier with its own gloo group, so that its timeout (not the job's
+    collective timeout, nor NCCL's watchdog) bounds the wait, as Lightning's."""
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        dist.barrier(group=group)
+    finally:
+        dist.destroy_process_group(group)
 
 
 class Trainer:
-    """Runs a :class:`Module`'s training and validation steps.
+    """Runs a :class:`Module`'s training, validation, test and predict steps.
 
     Arguments follow Lightning's ``Trainer`` (see ``docs/trainer.md`` for
     what differs). Settings are checked here; the environment (ranks,
-    devices) is read when ``fit`` or ``validate`` starts.
+    devices) is read when a call starts.
     """
 
     def __init__(
@@ -76,6 +126,7 @@ class Trainer:
         accelerator: str = "auto",
         devices: int | str | Sequence[int] = "auto",
         strategy: str = "auto",
+        num_nodes: int | None = None,
         precision: str | int = "32",
         max_epochs: int | None = None,
         max_steps: int = -1,
@@ -83,23 +134,37 @@ class Trainer:
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
         log_every_n_steps: int = 50,
-        check_val_every_n_epoch: int = 1,
-        limit_train_batches: int | None = None,
-        limit_val_batches: int | None = None,
+        check_val_every_n_epoch: int | None = 1,
+        val_check_interval: int | float | None = None,
+        num_sanity_val_steps: int | None = None,
+        limit_train_batches: int | float | None = None,
+        limit_val_batches: int | float | None = None,
+        limit_test_batches: int | float | None = None,
+        limit_predict_batches: int | float | None = None,
+        fast_dev_run: int | bool = False,
         callbacks: Iterable[Callback] | Callback | None = None,
         logger: bool | Logger | Iterable[Logger] = True,
         enable_checkpointing: bool = True,
         enable_progress_bar: bool = True,
+        enable_model_summary: bool | None = None,
         default_root_dir: str | Path = DEFAULT_ROOT_DIR,
         run_name: str | None = None,
         seed: int | None = None,
+        deterministic: bool | str | None = None,
+        benchmark: bool | None = None,
+        **lightning_only: Any,
     ) -> None:
+        refuse_unsupported(lightning_only, inspect.signature(Trainer.__init__).parameters)
+        set_torch_flags(deterministic, benchmark)
         self._accelerator = select_accelerator(accelerator)
         self._devices = devices
         if strategy not in STRATEGIES:
             raise invalid_choice("strategy", strategy, STRATEGIES)
         self.strategy = strategy
+        # None: as many as the launcher started (the environment says).
+        self.num_nodes: int | None = count_setting("num_nodes", num_nodes, 1, optional=True)
         self.precision = parse_precision(precision)
+        self.fast_dev_run = fast_dev_run_setting(fast_dev_run)
         if max_epochs is None and max_steps == -1:
             max_epochs = DEFAULT_MAX_EPOCHS
         self.max_epochs: int = (
@@ -122,18 +187,43 @@ class Trainer:
             )
         self.gradient_clip_algorithm = gradient_clip_algorithm
         self.log_every_n_steps: int = count_setting("log_every_n_steps", log_every_n_steps, 1)
-        self.check_val_every_n_epoch: int = count_setting(
-            "check_val_every_n_epoch", check_val_every_n_epoch, 1
+        self.check_val_every_n_epoch: int | None = count_setting(
+            "check_val_every_n_epoch", check_val_every_n_epoch, 1, optional=True
         )
-        self.limit_train_batches = count_setting(
-            "limit_train_batches", limit_train_batches, 0, optional=True
+        self.val_check_interval = val_check_setting(val_check_interval)
+        if self.check_val_every_n_epoch is None and not isinstance(self.val_check_interval, int):
+            raise TrainerError(
+                f"check_val_every_n_epoch=None counts training batches across epochs, so "
+                f"val_check_interval must be an int; got {val_check_interval!r}"
+            )
+        self.num_sanity_val_steps: int = (
+            DEFAULT_SANITY_STEPS
+            if num_sanity_val_steps is None
+            else count_setting("num_sanity_val_steps", num_sanity_val_steps, -1)
         )
-        self.limit_val_batches = count_setting(
-            "limit_val_batches", limit_val_batches, 0, optional=True
+        self.limit_train_batches = limit_setting("limit_train_batches", limit_train_batches)
+        self.limit_val_batches = limit_setting("limit_val_batches", limit_val_batches)
+        self.limit_test_batches = limit_setting("limit_test_batches", limit_test_batches)
+        self.limit_predict_batches = limit_setting("limit_predict_batches", limit_predict_batches)
+        if self.fast_dev_run:
+            # As Lightning: n batches of each loop, one epoch, no sanity check,
+            # and no checkpoints or logs.
+            n = self.fast_dev_run
+            self.limit_train_batches = self.limit_val_batches = n
+            self.limit_test_batches = self.limit_predict_batches = n
+            self.max_steps, self.max_epochs, self.num_sanity_val_steps = n, 1, 0
+            self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
+            logger = False
+        self.callbacks = default_callbacks(
+            callbacks, enable_checkpointing, add_default=not self.fast_dev_run
         )
-        self.callbacks = default_callbacks(callbacks, enable_checkpointing)
         self.loggers = default_loggers(logger)
         self.enable_progress_bar = enable_progress_bar
+        if enable_model_summary is not None and not isinstance(enable_model_summary, bool):
+            raise TrainerError(
+                f"enable_model_summary={enable_model_summary!r} must be True, False or None"
+            )
+        self.enable_model_summary = enable_model_summary is not False
         self.default_root_dir = Path(default_root_dir)
         if run_name is not None and (not run_name or "/" in run_name or run_name in (".", "..")):
             raise TrainerError(f"run_name={run_name!r} must be a plain directory name")
@@ -143,8 +233,10 @@ class Trainer:
         self.global_step = 0
         self.current_epoch = 0
         self.should_stop = False
-        self.fitting = False
+        self.fitting = self.validating = self.testing = self.predicting = False
+        self.sanity_checking = False
         self.validating_in_fit = False
+        self.datamodule: LightningDataModule | None = None
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
         self.progress_bar_metrics: dict[str, float] = {}
@@ -154,6 +246,7 @@ class Trainer:
         # Loop position, for checkpoints: see gpulayer.train.state.
         self._epoch_finished = False
         self._batches_done = 0
+        self._total_batches = 0
         self._epoch_rng: dict[str, Any] | None = None
         self._stepped = True
 
@@ -209,8 +302,7 @@ class Trainer:
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        run = self._run
-        return [run.optimizer] if run is not None and run.optimizer is not None else []
+        return list(self._run.optimizers) if self._run is not None else []
 
     @property
     def lr_schedulers(self) -> list[Any]:
@@ -248,54 +340,72 @@ class Trainer:
         model: Module,
         train_dataloaders: Any = None,
         val_dataloaders: Any = None,
+        datamodule: LightningDataModule | None = None,
         ckpt_path: str | Path | None = None,
     ) -> None:
         """Train ``model``; resume from ``ckpt_path`` (a file, or ``"last"``)."""
-        run = self._setup(model)
-        train = train_dataloaders if train_dataloaders is not None else model.train_dataloader()
+        if isinstance(train_dataloaders, LightningDataModule):
+            datamodule, train_dataloaders = train_dataloaders, None  # as Lightning
+        if datamodule is not None and (
+            train_dataloaders is not None or val_dataloaders is not None
+        ):
+            raise TrainerError(
+                "fit() got both dataloaders and datamodule=...; pass one or the other"
+            )
+        self._check_call(model, datamodule)
+        train = self._source("train", model, datamodule, train_dataloaders, "train_dataloaders")
         if train is None:
             raise TrainerError(
-                "fit() needs training data: pass train_dataloaders=... or define "
-                f"{type(model).__name__}.train_dataloader()"
+                "fit() needs training data: pass train_dataloaders=..., a datamodule, or "
+                f"define {type(model).__name__}.train_dataloader()"
             )
-        val = val_dataloaders if val_dataloaders is not None else model.val_dataloader()
-        check_reiterable(train, "train_dataloaders")
-        check_reiterable(val, "val_dataloaders")
+        val = self._source("validate", model, datamodule, val_dataloaders, "val_dataloaders")
         if val is not None:
             check_validation_step(model)
-        seed = self.seed or 0
-        run.train_data = shard(train, run.env, shuffle=True, seed=seed)
-        run.val_data = shard(val, run.env, shuffle=False, seed=seed) if val is not None else None
-        run.optimizer, run.schedulers = parse_optimizers(model.configure_optimizers())
+        manual = not model.automatic_optimization
+        if manual and self.accumulate_grad_batches != 1:
+            raise TrainerError(
+                f"accumulate_grad_batches={self.accumulate_grad_batches} does nothing under "
+                f"manual optimization (automatic_optimization = False); leave it at 1 and "
+                f"accumulate in training_step"
+            )
+        if manual and self.gradient_clip_val is not None:
+            raise TrainerError(
+                f"gradient_clip_val={self.gradient_clip_val} does nothing under manual "
+                f"optimization; call torch.nn.utils.clip_grad_norm_ in training_step"
+            )
         path = resolve_ckpt_path(ckpt_path, self.default_root_dir, self.checkpoint_callbacks)
-        checkpoint = load_checkpoint(path, map_location="cpu") if path is not None else None
-        if checkpoint is not None:
-            restore_checkpoint(self, run, checkpoint)
-        if run.env.distributed:
-            find_unused = self.strategy == "ddp_find_unused_parameters_true"
-            run.ddp = distributed.wrap_ddp(model, run.device, find_unused)
-        run.optimizer.zero_grad(set_to_none=True)
-        self.should_stop = False
-        self.fitting = True
-        distributed.finished_cleanly(False)
-        self.validating_in_fit = run.val_data is not None
-        try:
-            for cb in run.callbacks:
-                cb.on_fit_start(self, model)
+
+        def body(run: Run) -> None:
+            run.train_source, run.val_source = train, val
+            run.optimizers, run.schedulers = parse_optimizers(
+                model.configure_optimizers(), several=manual
+            )
+            run.manual = [ManualOptimizer(o, self, run) for o in run.optimizers]
+            checkpoint = load_checkpoint(path, map_location="cpu") if path is not None else None
+            if checkpoint is not None:
+                restore_checkpoint(self, run, checkpoint)
+            if run.env.distributed:
+                find_unused = self.strategy == "ddp_find_unused_parameters_true"
+                run.ddp = distributed.wrap_ddp(model, run.device, find_unused)
+            for optimizer in run.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            self.should_stop = False
+            self.validating_in_fit = val is not None and self.limit_val_batches != 0
+            call_callbacks(self, run, "on_fit_start")
             model.on_fit_start()
             if checkpoint is not None:
                 restore_callbacks(self, checkpoint)
             self._start_loggers(model)
+            self._print_summary(model)
+            sanity = self.num_sanity_val_steps
+            if sanity and checkpoint is None and self.validating_in_fit:
+                sanity_check(self, run, sanity, lambda: ensure_val_data(self, run))
             fit_loop(self, run)
+            call_callbacks(self, run, "on_fit_end")
             model.on_fit_end()
-            for cb in run.callbacks:
-                cb.on_fit_end(self, model)
-            distributed.finished_cleanly(True)
-        finally:
-            self.fitting = self.validating_in_fit = False
-            model._attach(self)
-            for logger in self.loggers:
-                logger.finalize()
+
+        self._call("fit", model, datamodule, body)
 
     def validate(
         self,
@@ -303,43 +413,32 @@ class Trainer:
         dataloaders: Any = None,
         ckpt_path: str | Path | None = None,
         verbose: bool = True,
+        datamodule: LightningDataModule | None = None,
     ) -> list[dict[str, float]]:
         """Run the validation data once; returns ``[metrics]`` as Lightning does."""
-        model = model if model is not None else self.lightning_module
-        if model is None:
-            raise TrainerError("validate() needs a model: validate(model, dataloaders)")
-        data = dataloaders if dataloaders is not None else model.val_dataloader()
-        if data is None:
-            raise TrainerError(
-                "validate() needs data: pass dataloaders=... or define "
-                f"{type(model).__name__}.val_dataloader()"
-            )
-        check_reiterable(data, "dataloaders")
-        check_validation_step(model)
-        run = self._setup(model)
-        run.val_data = shard(data, run.env, shuffle=False, seed=self.seed or 0)
-        path = resolve_ckpt_path(ckpt_path, self.default_root_dir, self.checkpoint_callbacks)
-        if path is not None:
-            model.load_state_dict(load_checkpoint(path, map_location="cpu")["state_dict"])
-        distributed.finished_cleanly(False)
-        try:
-            self._start_loggers(model)
-            metrics = validation_loop(self, run)
-            if self.is_global_zero:
-                logged = {
-                    k: v for k, v in metrics.items() if k in run.val_store.keys_where("logger")
-                }
-                for logger in self.loggers:
-                    logger.log_metrics(logged, self.global_step)
-                if verbose:
-                    for key, value in metrics.items():
-                        print(f"{key}: {value:.6g}")
-            distributed.finished_cleanly(True)
-        finally:
-            model._attach(self)
-            for logger in self.loggers:
-                logger.finalize()
-        return [metrics]
+        return run_evaluation(self, "validate", model, dataloaders, ckpt_path, verbose, datamodule)
+
+    def test(
+        self,
+        model: Module | None = None,
+        dataloaders: Any = None,
+        ckpt_path: str | Path | None = None,
+        verbose: bool = True,
+        datamodule: LightningDataModule | None = None,
+    ) -> list[dict[str, float]]:
+        """Run the test data once; returns ``[metrics]`` (one dict per dataloader)."""
+        return run_evaluation(self, "test", model, dataloaders, ckpt_path, verbose, datamodule)
+
+    def predict(
+        self,
+        model: Module | None = None,
+        dataloaders: Any = None,
+        datamodule: LightningDataModule | None = None,
+        return_predictions: bool | None = None,
+        ckpt_path: str | Path | None = None,
+    ) -> list[Any] | None:
+        """``predict_step`` over the data; the per-batch results (on the CPU)."""
+        return run_prediction(self, model, dataloaders, datamodule, return_predictions, ckpt_path)
 
     def save_checkpoint(self, path: str | Path, weights_only: bool = False) -> None:
         """Write a checkpoint atomically (global rank 0 only; others return)."""
@@ -359,12 +458,79 @@ class Trainer:
         return self.callback_metrics
 
     # ---- set-up ------------------------------------------------------------
-    def _setup(self, model: Module) -> Run:
+    def _check_call(self, model: Any, datamodule: Any) -> None:
+        """Refuse, before anything runs, what would not work or silently not run."""
         if not isinstance(model, Module):
             raise TrainerError(
                 f"the model must be a gpulayer.train.Module; got {type(model).__name__}"
             )
+        refuse_uncalled_hooks(model, Module, _MODULE_HOOKS)
+        if datamodule is not None:
+            check_datamodule(datamodule)
+
+    def _source(
+        self,
+        fn: str,
+        model: Module,
+        datamodule: LightningDataModule | None,
+        given: Any,
+        argument: str,
+    ) -> Callable[[], Any] | None:
+        """Where ``fn``'s data comes from, asked for only when the loop needs it."""
+        if given is not None:
+            check_reiterable(given, argument)
+            return lambda: given
+        name = LOADERS[fn]
+        if datamodule is not None:
+            return (
+                getattr(datamodule, name)
+                if defines(datamodule, LightningDataModule, name)
+                else None
+            )
+        return getattr(model, name) if defines(model, Module, name) else None
+
+    def _call(
+        self,
+        fn: str,
+        model: Module,
+        datamodule: LightningDataModule | None,
+        body: Callable[[Run], T],
+        loggers: bool = True,
+    ) -> T:
+        flag = {"fit": "fitting", "validate": "validating", "test": "testing"}.get(fn, "predicting")
+        run = self._setup(model, datamodule, fn)
+        distributed.finished_cleanly(False)
+        setattr(self, flag, True)
+        try:
+            result = body(run)
+            # As Lightning: teardown on success only (datamodule, callbacks, module).
+            if datamodule is not None:
+                datamodule.teardown(fn)
+            call_callbacks(self, run, "teardown", fn)
+            model.teardown(fn)
+            distributed.finished_cleanly(True)
+            return result
+        except Exception as exc:
+            if datamodule is not None:
+                datamodule.on_exception(exc)
+            raise
+        finally:
+            setattr(self, flag, False)
+            self.validating_in_fit = False
+            model._attach(self)
+            if loggers:
+                for logger in self.loggers:
+                    logger.finalize()
+
+    def _setup(self, model: Module, datamodule: LightningDataModule | None, fn: str) -> Run:
         env = self._env = detect_environment(os.environ)
+        nodes = env.world_size // env.local_world_size
+        if self.num_nodes is not None and self.num_nodes != nodes:
+            raise TrainerError(
+                f"num_nodes={self.num_nodes} but this job has {nodes} node(s) "
+                f"(WORLD_SIZE={env.world_size}, LOCAL_WORLD_SIZE={env.local_world_size}); "
+                f"the launcher decides the nodes: pass num_nodes={nodes} or leave it out"
+            )
         device = resolve_device(self._accelerator, self._devices, env)
         self._accelerator.setup_device(device)
         if env.distributed:
@@ -372,18 +538,47 @@ class Trainer:
         if self.seed is not None:
             seed_everything(self.seed)
         self._log_dir = self._choose_log_dir(env)
-        model.to(device)
         model._attach(self)
+        self.datamodule = datamodule
+        if datamodule is not None:
+            datamodule.trainer = self
+        callbacks = self.callbacks
+        if self.fast_dev_run:
+            callbacks = [c for c in callbacks if not isinstance(c, EarlyStopping | ModelCheckpoint)]
         show = self.enable_progress_bar and env.global_rank == 0
-        self._run = Run(
+        self._run = run = Run(
             module=model,
             device=device,
             precision=make_precision(self.precision, device),
             env=env,
-            callbacks=self.callbacks,
+            callbacks=callbacks,
             progress=ProgressBar() if show else None,
+            transfer=make_transfer(model, datamodule),
+            datamodule=datamodule,
         )
-        return self._run
+        self._prepare_data(env, model, datamodule)
+        if datamodule is not None:
+            datamodule.setup(fn)
+        call_callbacks(self, run, "setup", fn)
+        model.setup(fn)
+        model.configure_model()
+        model.to(device)
+        return run
+
+    def _prepare_data(
+        self, env: ClusterEnvironment, model: Module, datamodule: LightningDataModule | None
+    ) -> None:
+        """``prepare_data`` once per node (or once, if ``prepare_data_per_node`` is
+        False) while the other ranks wait, as Lightning."""
+        owners: list[tuple[Any, type]] = [(datamodule, LightningDataModule), (model, Module)]
+        for owner, base in owners:
+            if owner is None or not defines(owner, base, "prepare_data"):
+                continue
+            here = env.local_rank == 0 if owner.prepare_data_per_node else env.global_rank == 0
+            if here:
+                owner.prepare_data()
+            if env.distributed:
+                _wait_for_all_ranks(PREPARE_DATA_TIMEOUT)
 
     def _choose_log_dir(self, env: ClusterEnvironment) -> Path:
         if self._log_dir is not None:
@@ -400,3 +595,30 @@ class Trainer:
             for logger in self.loggers:
                 logger.setup(self.log_dir)
                 logger.log_hyperparams(model.hparams)
+
+    def _print_summary(self, model: Module) -> None:
+        if not (self.enable_model_summary and self.is_global_zero):
+            return
+        if any(type(cb).__name__ == "ModelSummary" for cb in self.callbacks):
+            return  # as Lightning: a ModelSummary callback replaces the Trainer's own
+        try:
+            from gpulayer.train.summary import model_summary
+        except ImportError:  # the summary module lands separately
+            return
+        print(model_summary(model))
+
+    # ---- what the module asks for during fit -------------------------------
+    def _manual_optimizers(self) -> list[ManualOptimizer]:
+        if self._run is None or not self._run.manual:
+            raise TrainerError("self.optimizers() is available during fit() only")
+        return self._run.manual
+
+    def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if self._run is None or not self.fitting:
+            raise TrainerError("self.manual_backward(loss) is available during fit() only")
+        if args or kwargs:
+            raise TrainerError(
+                "self.manual_backward(loss) takes no further arguments in GPUlayer "
+                f"(got {len(args)} positional, {sorted(kwargs)}); call it with the loss only"
+            )
+        backward(self, self._run, loss)
