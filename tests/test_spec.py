@@ -126,3 +126,17 @@ def test_a_key_that_is_not_a_string_is_said_in_plain_words(field: str, key: obje
         parse_spec({"command": ["x"], field: {key: "v"}})
     assert caught.value.field == field
     assert "its keys must be strings" in str(caught.value) and "Expected" not in str(caught.value)
+
+
+@pytest.mark.parametrize("field", ["gpus", "command", "launcher", "timeout", "env"])
+def test_text_that_is_not_unicode_is_a_spec_error_naming_its_field(field: str) -> None:
+    """YAML reads "\\ud800" as a lone surrogate; msgspec then fails with a
+    UnicodeEncodeError, not a validation error."""
+    import yaml
+
+    value = '{A: "\\ud800"}' if field == "env" else '"\\ud800"'
+    data = yaml.safe_load(f"command: [python, x.py]\n{field}: {value}\n")
+    with pytest.raises(SpecError) as caught:
+        parse_spec(data)
+    assert caught.value.field == ("env.A" if field == "env" else field)
+    assert "lone surrogate" in str(caught.value)

@@ -122,6 +122,12 @@ def parse_spec(data: Mapping[str, Any] | JobSpec) -> JobSpec:
     else:
         try:
             spec = msgspec.convert(dict(data), JobSpec, strict=True)
+        except UnicodeError:  # msgspec cannot even say where: look for it
+            from .spec_errors import unencodable_field
+
+            raise SpecError(
+                unencodable_field(data), "holds text that is not valid Unicode (a lone surrogate)"
+            ) from None
         except msgspec.ValidationError as exc:
             from .spec_errors import plain_spec_error
 

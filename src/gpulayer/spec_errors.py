@@ -158,3 +158,30 @@ def _shown(value: Any, field: str) -> str:
     if len(text) > 60:
         text = text[:57] + "..."
     return f"{text} ({kind})"
+
+
+def unencodable_field(data: Any) -> str:
+    """The first field of ``data`` (a spec's mapping) holding a string that
+    UTF-8 cannot encode, named as check_spec names fields."""
+    return _unencodable(data, "") or "spec"
+
+
+def _unencodable(data: Any, path: str) -> str:
+    if isinstance(data, Mapping):
+        items: list[tuple[Any, Any]] = list(data.items())
+    elif isinstance(data, list):
+        items = list(enumerate(data))
+    else:
+        return ""
+    for key, value in items:
+        here = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        for text in (key, value):
+            if isinstance(text, str):
+                try:
+                    text.encode()
+                except UnicodeEncodeError:
+                    return here
+        found = _unencodable(value, here)
+        if found:
+            return found
+    return ""

@@ -398,3 +398,16 @@ def test_an_embedded_programs_own_daemons_outlive_its_jobs(
         for h in helpers:
             h.kill()
             h.wait()
+
+
+def test_an_orphan_is_judged_as_one_when_the_worker_is_its_containers_init() -> None:
+    """A worker that is PID 1 (`docker run ... gpulayer worker start`) is the
+    parent every orphan is given: a task's double-forked daemon must still be
+    an orphan (taken or killed), not the worker's own (left running)."""
+    from gpulayer.worker.containment import ProcStat
+
+    task = cgroups.Spawn(box=None, since=0, pid=4242)  # type: ignore[arg-type]
+    orphan = ProcStat(state="S", parent=1, group=777, session=777, start=5)
+    assert cgroups._owner_of(orphan, {4242: task}, me=1) is None
+    own = ProcStat(state="S", parent=os.getpid(), group=778, session=778, start=5)
+    assert cgroups._owner_of(own, {4242: task}, me=os.getpid()) == "worker"

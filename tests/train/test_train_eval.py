@@ -215,3 +215,28 @@ def _rank_main(out: Path) -> None:
 
 if __name__ == "__main__":
     _rank_main(Path(sys.argv[1]))
+
+
+def test_a_callbacks_on_exception_is_called_as_lightnings_is() -> None:
+    """Every hook Lightning's Callback has is called here too: on_exception
+    with the error a fit raised, before it propagates."""
+    import lightning.pytorch as pl
+
+    from gpulayer.train import Callback
+
+    called = {n for n, v in vars(pl.Callback).items() if callable(v) and n.startswith("on_")}
+    assert "on_exception" in called
+    seen: list[BaseException] = []
+
+    class Watch(Callback):
+        def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
+            seen.append(exception)
+
+    class Fails(Regression):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            raise RuntimeError("boom")
+
+    trainer = Trainer(**quiet(max_epochs=1, callbacks=[Watch()]))
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Fails(), make_batches(2))
+    assert [str(e) for e in seen] == ["boom"]

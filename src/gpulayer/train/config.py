@@ -127,9 +127,9 @@ def default_callbacks(
 
 
 def default_loggers(logger: bool | Logger | Iterable[Logger]) -> list[Logger]:
-    if logger is True:
+    if logger is True or logger is None:  # None: Lightning's default logger
         return [CSVLogger()]
-    if logger is False or logger is None:
+    if logger is False:
         return []
     found = [logger] if isinstance(logger, Logger) else list(logger)
     for item in found:
@@ -229,9 +229,9 @@ def set_torch_flags(deterministic: bool | str | None, benchmark: bool | None) ->
     leaves every flag as it is."""
     import os
 
-    if deterministic not in (None, True, False, "warn"):
+    if not (deterministic is None or isinstance(deterministic, bool) or deterministic == "warn"):
         raise invalid_choice("deterministic", deterministic, (None, True, False, "warn"))
-    if benchmark not in (None, True, False):
+    if not (benchmark is None or isinstance(benchmark, bool)):
         raise invalid_choice("benchmark", benchmark, (None, True, False))
     if deterministic and benchmark is None:
         benchmark = False  # cuDNN's benchmark picks algorithms by timing them

@@ -127,13 +127,13 @@ class Trainer:
         devices: int | str | Sequence[int] = "auto",
         strategy: str = "auto",
         num_nodes: int | None = None,
-        precision: str | int = "32",
+        precision: str | int | None = "32",
         max_epochs: int | None = None,
         max_steps: int = -1,
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str = "norm",
-        log_every_n_steps: int = 50,
+        gradient_clip_algorithm: str | None = "norm",
+        log_every_n_steps: int | None = 50,
         check_val_every_n_epoch: int | None = 1,
         val_check_interval: int | float | None = None,
         num_sanity_val_steps: int | None = None,
@@ -144,10 +144,10 @@ class Trainer:
         fast_dev_run: int | bool = False,
         callbacks: Iterable[Callback] | Callback | None = None,
         logger: bool | Logger | Iterable[Logger] = True,
-        enable_checkpointing: bool = True,
-        enable_progress_bar: bool = True,
+        enable_checkpointing: bool | None = True,
+        enable_progress_bar: bool | None = True,
         enable_model_summary: bool | None = None,
-        default_root_dir: str | Path = DEFAULT_ROOT_DIR,
+        default_root_dir: str | Path | None = DEFAULT_ROOT_DIR,
         run_name: str | None = None,
         seed: int | None = None,
         deterministic: bool | str | None = None,
@@ -163,7 +163,7 @@ class Trainer:
         self.strategy = strategy
         # None: as many as the launcher started (the environment says).
         self.num_nodes: int | None = count_setting("num_nodes", num_nodes, 1, optional=True)
-        self.precision = parse_precision(precision)
+        self.precision = parse_precision("32" if precision is None else precision)
         self.fast_dev_run = fast_dev_run_setting(fast_dev_run)
         if max_epochs is None and max_steps == -1:
             max_epochs = DEFAULT_MAX_EPOCHS
@@ -181,6 +181,17 @@ class Trainer:
                 f"gradient_clip_val={gradient_clip_val!r} must be a number >= 0 or None"
             )
         self.gradient_clip_val = float(gradient_clip_val) if gradient_clip_val else None
+        # None, in each of these, is Lightning's way of saying "the default".
+        if gradient_clip_algorithm is None:
+            gradient_clip_algorithm = "norm"
+        if log_every_n_steps is None:
+            log_every_n_steps = 50
+        if enable_checkpointing is None:
+            enable_checkpointing = True
+        if enable_progress_bar is None:
+            enable_progress_bar = True
+        if default_root_dir is None:
+            default_root_dir = os.getcwd()
         if gradient_clip_algorithm not in CLIP_ALGORITHMS:
             raise invalid_choice(
                 "gradient_clip_algorithm", gradient_clip_algorithm, CLIP_ALGORITHMS
@@ -511,6 +522,8 @@ class Trainer:
             distributed.finished_cleanly(True)
             return result
         except Exception as exc:
+            # As Lightning: the callbacks' on_exception, then the datamodule's.
+            call_callbacks(self, run, "on_exception", exc)
             if datamodule is not None:
                 datamodule.on_exception(exc)
             raise

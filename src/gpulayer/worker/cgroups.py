@@ -544,10 +544,12 @@ def _owner_of(
         for _ in range(_PARENTS_MAX):
             if parent in tasks:
                 return tasks[parent]
+            if parent <= 1:
+                # Init's: an orphan. (A worker that is its container's init
+                # is every orphan's parent too: then it cannot tell its own.)
+                return None
             if parent == me:
                 return "worker"
-            if parent <= 1:
-                return None
             parent = proc_stat(parent).parent
     except (ProcessLookupError, FileNotFoundError, ValueError):
         pass
