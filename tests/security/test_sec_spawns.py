@@ -411,3 +411,24 @@ def test_an_orphan_is_judged_as_one_when_the_worker_is_its_containers_init() -> 
     assert cgroups._owner_of(orphan, {4242: task}, me=1) is None
     own = ProcStat(state="S", parent=os.getpid(), group=778, session=778, start=5)
     assert cgroups._owner_of(own, {4242: task}, me=os.getpid()) == "worker"
+
+
+def test_a_program_whose_helpers_outlive_its_containment_can_make_another() -> None:
+    """Embedded, a program's own helper started while its workers ran stays
+    in their worker/ cgroup when the client closes (it is not a task's):
+    the next client of the same process still gets cgroups."""
+    if not cgroups_possible():
+        pytest.skip("no writable cgroup v2 hierarchy here")
+    first = acquire_containment("cgroup")
+    helper = subprocess.Popen(["sleep", "120"])  # born in worker/
+    try:
+        release_containment(first)
+        again = acquire_containment("cgroup")
+        try:
+            assert isinstance(again, cgroups.CgroupContainment)
+            assert again.root != first.root  # type: ignore[attr-defined]
+        finally:
+            release_containment(again)
+    finally:
+        helper.kill()
+        helper.wait()
