@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sec_containment_kit import cgroups_possible
+from sec_containment_kit import DAEMON_ONLY, cgroups_possible, running
 from sec_python import nobody_pythonpath
 
 import gpulayer
@@ -79,21 +79,6 @@ if then == "hang":
 # (the worker moves a job's process into its cgroup just after it starts:
 # this one forks before that), then exits 0 once it runs.
 SHELL_FIRST = 'setsid "$0" -c "$1" "$2" & while [ ! -s "$2" ]; do :; done'
-DAEMON_ONLY = r"""
-import os, signal, sys, time
-for sig in (signal.SIGTERM, signal.SIGHUP):
-    signal.signal(sig, signal.SIG_IGN)
-null = os.open(os.devnull, os.O_RDWR)
-for fd in (0, 1, 2):
-    os.dup2(null, fd)
-with open("/proc/self/stat") as f:
-    start = f.read().rsplit(")", 1)[1].split()[19]
-with open(sys.argv[1] + ".tmp", "w") as f:
-    f.write(f"{os.getpid()} {start}")
-os.rename(sys.argv[1] + ".tmp", sys.argv[1])
-while True:
-    time.sleep(3600)
-"""
 
 
 @pytest.fixture(params=["cgroup", "subreaper"])
@@ -123,20 +108,9 @@ def _wait_for(path: Path, timeout: float = 30.0) -> None:
         time.sleep(0.01)  # polled with a deadline: another process writes it
 
 
-def _running(pidfile: Path) -> bool:
-    """Whether the process that wrote ``pidfile`` still runs (a zombie does
-    not; a pid reused since has another start time)."""
-    pid, start = pidfile.read_text().split()
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return False
-    return fields[19] == start and fields[0] not in ("Z", "X")
-
-
 def _kill(pidfile: Path) -> None:
     """Tidy up after a failed test: the escaped process goes now."""
-    if pidfile.exists() and _running(pidfile):
+    if pidfile.exists() and running(pidfile):
         os.kill(int(pidfile.read_text().split()[0]), signal.SIGKILL)
 
 
@@ -153,7 +127,7 @@ def test_what_a_job_started_ends_when_it_exits(
 ) -> None:
     job = contained.submit(command=[sys.executable, "-c", HOSTILE, how, "exit", str(pidfile)])
     assert job.wait(timeout=60) == "succeeded", job.info.reason
-    assert not _running(pidfile), f"the {how} process outlived its job"
+    assert not running(pidfile), f"the {how} process outlived its job"
 
 
 def test_a_daemon_ends_when_its_job_is_cancelled(contained: gpulayer.Client, pidfile: Path) -> None:
@@ -163,7 +137,7 @@ def test_a_daemon_ends_when_its_job_is_cancelled(contained: gpulayer.Client, pid
     _wait_for(pidfile)
     job.cancel()
     assert job.wait(timeout=60) == "cancelled"
-    assert not _running(pidfile), "the daemon outlived its cancelled job"
+    assert not running(pidfile), "the daemon outlived its cancelled job"
 
 
 def test_a_daemon_ends_when_its_job_times_out(contained: gpulayer.Client, pidfile: Path) -> None:
@@ -173,7 +147,7 @@ def test_a_daemon_ends_when_its_job_times_out(contained: gpulayer.Client, pidfil
     )
     assert job.wait(timeout=60) == "timed_out"
     assert pidfile.exists(), "the daemon had not started within the timeout"
-    assert not _running(pidfile), "the daemon outlived its timed-out job"
+    assert not running(pidfile), "the daemon outlived its timed-out job"
 
 
 def test_a_daemon_started_before_the_job_is_placed_is_kept_too(
@@ -185,7 +159,7 @@ def test_a_daemon_started_before_the_job_is_placed_is_kept_too(
         command=["/bin/sh", "-c", SHELL_FIRST, sys.executable, DAEMON_ONLY, str(pidfile)]
     )
     assert job.wait(timeout=60) == "succeeded", job.info.reason
-    assert not _running(pidfile), "the daemon the shell started at once outlived its job"
+    assert not running(pidfile), "the daemon the shell started at once outlived its job"
 
 
 def test_the_next_job_runs_once_the_last_ones_processes_are_gone(
@@ -258,11 +232,11 @@ def test_the_warden_of_a_killed_worker_ends_what_its_job_left(
             command=[sys.executable, "-c", HOSTILE, "double-fork", "hang", str(pidfile)]
         )
         _wait_for(pidfile)
-        assert _running(pidfile)
+        assert running(pidfile)
         worker.kill()
         worker.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while _running(pidfile):
+        while running(pidfile):
             assert time.monotonic() < deadline, "the daemon outlived its killed worker"
             time.sleep(0.05)  # polled with a deadline: the warden works in another process
         assert job.wait(timeout=60) in ("lost", "failed"), job.info.reason
@@ -291,9 +265,9 @@ def test_what_a_worker_and_its_warden_left_is_ended_by_the_next_worker(
     warden.kill()  # a zombie until its parent goes: not waited for
     worker.kill()
     worker.wait(timeout=30)
-    assert _running(pidfile), "nothing was left to end"
+    assert running(pidfile), "nothing was left to end"
     server.start_worker(tmp_path / "w", name="heir", kill_grace=0.5)  # once it serves
-    assert not _running(pidfile), "the daemon outlived its worker and its warden"
+    assert not running(pidfile), "the daemon outlived its worker and its warden"
 
 
 def test_a_containment_asked_for_that_cannot_be_had_is_refused_in_plain_words() -> None:

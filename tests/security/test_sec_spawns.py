@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sec_containment_kit import cgroups_possible
+from sec_containment_kit import DAEMON_ONLY, cgroups_possible, running
 
 import gpulayer
 from gpulayer import defaults
@@ -42,29 +42,6 @@ while [ "$(cat /proc/$daemon/cgroup)" != "$(cat /proc/$$/cgroup)" ]; do
 done
 echo same
 """
-DAEMON = r"""
-import os, signal, sys, time
-for sig in (signal.SIGTERM, signal.SIGHUP):
-    signal.signal(sig, signal.SIG_IGN)
-null = os.open(os.devnull, os.O_RDWR)
-for fd in (0, 1, 2):
-    os.dup2(null, fd)
-with open("/proc/self/stat") as f:
-    start = f.read().rsplit(")", 1)[1].split()[19]
-with open(sys.argv[1] + ".tmp", "w") as f:
-    f.write(f"{os.getpid()} {start}")
-os.rename(sys.argv[1] + ".tmp", sys.argv[1])
-while True:
-    time.sleep(3600)
-"""
-
-
-def _alive(pid: int, start: str) -> bool:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return False
-    return fields[19] == start and fields[0] not in ("Z", "X")
 
 
 def test_jobs_started_side_by_side_each_keep_their_own_daemon(
@@ -86,7 +63,7 @@ def test_jobs_started_side_by_side_each_keep_their_own_daemon(
             assert worker.containment == CGROUP
             jobs = [
                 client.submit(
-                    command=["/bin/sh", "-c", SIDE_BY_SIDE, sys.executable, DAEMON, str(p)]
+                    command=["/bin/sh", "-c", SIDE_BY_SIDE, sys.executable, DAEMON_ONLY, str(p)]
                 )
                 for p in pidfiles
             ]
@@ -94,14 +71,11 @@ def test_jobs_started_side_by_side_each_keep_their_own_daemon(
                 assert job.wait(timeout=90) == "succeeded", (job.info.reason, job.logs())
                 assert job.logs().strip() == "same"
         for p in pidfiles:
-            pid, start = p.read_text().split()
-            assert not _alive(int(pid), start), f"the daemon of {p.name} outlived its job"
+            assert not running(p), f"the daemon of {p.name} outlived its job"
     finally:
         for p in pidfiles:
-            if p.exists():
-                pid, start = p.read_text().split()
-                if _alive(int(pid), start):
-                    os.kill(int(pid), 9)
+            if p.exists() and running(p):
+                os.kill(int(p.read_text().split()[0]), 9)
 
 
 def test_a_burst_of_jobs_on_four_workers_of_one_process_all_succeed(

@@ -51,26 +51,18 @@ class Recovery(PlaneCore):
                     for pid, created in job.processes():
                         self._kill_orphan(pid, created)
             with self.store.transaction() as tx:
-                for job in running:
-                    touched.append(job.id)
-                    if workers_outlive:
-                        continue
-                    tx.finish(
-                        job.id,
-                        state=jobs.LOST,
-                        exit_code=None,
-                        reason=f"{EMBEDDED_ENDED} while it ran",
-                        marks={"finished": now},
-                        outputs={},
-                    )
-                if not workers_outlive:
-                    for job in self.store.list_jobs(states=[jobs.QUEUED], owner=dead_instance):
+                if workers_outlive:
+                    touched += [job.id for job in running]
+                else:
+                    queued = self.store.list_jobs(states=[jobs.QUEUED], owner=dead_instance)
+                    ended = [(job, "while it ran") for job in running]
+                    for job, when in ended + [(job, "before it started") for job in queued]:
                         touched.append(job.id)
                         tx.finish(
                             job.id,
                             state=jobs.LOST,
                             exit_code=None,
-                            reason=f"{EMBEDDED_ENDED} before it started",
+                            reason=f"{EMBEDDED_ENDED} {when}",
                             marks={"finished": now},
                             outputs={},
                         )

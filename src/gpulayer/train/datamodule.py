@@ -15,14 +15,12 @@ import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from gpulayer.train.errors import TrainerError
 from gpulayer.train.module import (
     LIGHTNING_DATA_HOOKS,
     AttributeDict,
+    DataHooks,
     init_arguments,
-    move_to_device,
     refuse_uncalled_hooks,
 )
 
@@ -38,11 +36,8 @@ LOADERS = {
 }
 
 
-class LightningDataModule:
+class LightningDataModule(DataHooks):
     """Subclass this and define the ``*_dataloader()`` methods you need."""
-
-    #: As Lightning: False runs prepare_data on global rank 0 only.
-    prepare_data_per_node: bool = True
 
     def __init__(self) -> None:
         self.hparams = AttributeDict()
@@ -63,39 +58,7 @@ class LightningDataModule:
         if caller is not None:
             self.hparams.update(init_arguments(caller, names, ignore))
 
-    # ---- the hooks -------------------------------------------------------
-    def prepare_data(self) -> None:
-        """Download or write data (once per node); state set here is not shared."""
-
-    def setup(self, stage: str) -> None:
-        """Build datasets; runs on every rank."""
-
-    def teardown(self, stage: str) -> None:
-        """Release what setup built."""
-
-    def train_dataloader(self) -> Any:
-        return None
-
-    def val_dataloader(self) -> Any:
-        return None
-
-    def test_dataloader(self) -> Any:
-        return None
-
-    def predict_dataloader(self) -> Any:
-        return None
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
-
-    def transfer_batch_to_device(
-        self, batch: Any, device: torch.device, dataloader_idx: int
-    ) -> Any:
-        return move_to_device(batch, device)
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
-
+    # ---- the hooks (and DataHooks') -------------------------------------
     def on_exception(self, exception: BaseException) -> None:
         """Called when fit/validate/test/predict raises."""
 

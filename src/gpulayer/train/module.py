@@ -169,7 +169,50 @@ class AttributeDict(dict[str, Any]):
         self[name] = value
 
 
-class Module(torch.nn.Module):
+class DataHooks:
+    """The data hooks a module and a datamodule share, as Lightning's
+    ``DataHooks``: ``prepare_data`` once per node (local rank 0) before
+    ``setup``; ``setup(stage)`` and ``teardown(stage)`` on every rank, with
+    "fit", "validate", "test" or "predict"; the ``*_dataloader()`` a call
+    reads; and the three steps of moving a batch to the device."""
+
+    #: As Lightning: False runs prepare_data on global rank 0 only.
+    prepare_data_per_node: bool = True
+
+    def prepare_data(self) -> None:
+        """Download or write data, once per node; state set here is not shared."""
+
+    def setup(self, stage: str) -> None:
+        """Build datasets; runs on every rank."""
+
+    def teardown(self, stage: str) -> None:
+        """Release what setup built; runs on every rank when the call returns."""
+
+    def train_dataloader(self) -> Any:
+        return None
+
+    def val_dataloader(self) -> Any:
+        return None
+
+    def test_dataloader(self) -> Any:
+        return None
+
+    def predict_dataloader(self) -> Any:
+        return None
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+    def transfer_batch_to_device(
+        self, batch: Any, device: torch.device, dataloader_idx: int
+    ) -> Any:
+        return move_to_device(batch, device)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch
+
+
+class Module(DataHooks, torch.nn.Module):
     """Subclass this; define ``training_step`` and ``configure_optimizers``.
 
     ``training_step(batch, batch_idx)`` returns the loss (a tensor, or a dict
@@ -216,44 +259,9 @@ class Module(torch.nn.Module):
         """As Lightning's default: the module called on the batch."""
         return self(batch)
 
-    # ---- data (used when a call gets no dataloaders and no datamodule) -----
-    def prepare_data(self) -> None:
-        """Download or write data, once per node (local rank 0), before setup."""
-
-    #: As Lightning: False runs prepare_data on global rank 0 only.
-    prepare_data_per_node: bool = True
-
-    def setup(self, stage: str) -> None:
-        """Called on every rank with "fit", "validate", "test" or "predict"."""
-
-    def teardown(self, stage: str) -> None:
-        """Called on every rank when fit/validate/test/predict returns."""
-
+    # ---- data: DataHooks (used when a call gets no dataloaders and no datamodule)
     def configure_model(self) -> None:
         """Build layers here to create them after setup (called once per call)."""
-
-    def train_dataloader(self) -> Any:
-        return None
-
-    def val_dataloader(self) -> Any:
-        return None
-
-    def test_dataloader(self) -> Any:
-        return None
-
-    def predict_dataloader(self) -> Any:
-        return None
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
-
-    def transfer_batch_to_device(
-        self, batch: Any, device: torch.device, dataloader_idx: int
-    ) -> Any:
-        return move_to_device(batch, device)
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        return batch
 
     # ---- hooks (no-ops unless overridden) ----------------------------------
     def on_fit_start(self) -> None: ...
