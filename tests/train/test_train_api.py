@@ -30,9 +30,11 @@ PUBLIC = {
     "TrainerError",
     "callbacks",
     "loggers",
+    "profilers",
     "seed_everything",
 }
-SUBMODULES = {"callbacks", "loggers"}  # lightning.pytorch.callbacks and .loggers
+# lightning.pytorch.callbacks, .loggers and .profilers
+SUBMODULES = {"callbacks", "loggers", "profilers"}
 
 
 def test_exported_members() -> None:

@@ -311,7 +311,7 @@ def test_validation_data_without_validation_step_fails_before_training() -> None
 @pytest.mark.parametrize(
     ("given", "words"),
     [
-        ({"profiler": "simple"}, "Trainer(profiler='simple') is Lightning's"),
+        ({"detect_anomaly": True}, "Trainer(detect_anomaly=True) is Lightning's"),
         ({"sync_batchnorm": True}, "convert_sync_batchnorm"),
         ({"min_epochs": 2}, "stop with max_epochs"),
         ({"max_epoch": 3}, "unknown argument 'max_epoch'; did you mean 'max_epochs'?"),

@@ -141,7 +141,11 @@ def test_call_time_refusals_name_what_is_wrong() -> None:
     with pytest.raises(TrainerError, match="defines no test_step"):
         Trainer(**quiet()).test(Regression(), make_batches(1))
     loaders = [DataLoader(make_batches(2), batch_size=None)] * 2
-    with pytest.raises(TrainerError, match="is a list of 2 DataLoaders"):
+    # Several test dataloaders are supported (tests/train/test_lightning_eval_parity.py),
+    # several training ones are not.
+    with pytest.raises(TrainerError, match="is a list of 2 DataLoaders; several training"):
+        Trainer(**quiet()).fit(WithTest(), loaders)
+    with pytest.raises(TrainerError, match=r"WithTest.test_step\(\) takes no dataloader_idx"):
         Trainer(**quiet()).test(WithTest(), loaders)
     with pytest.raises(TrainerError, match="ckpt_path='best' but no ModelCheckpoint"):
         Trainer(**quiet()).test(WithTest(), make_batches(1), ckpt_path="best")

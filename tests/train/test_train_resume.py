@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainer_testkit import Regression, assert_same_weights
 
 from gpulayer.train import CheckpointError, ModelCheckpoint, Module, Trainer
+from gpulayer.train.state import resume_position
 
 pytestmark = pytest.mark.torch
 
@@ -102,7 +103,7 @@ def test_resume_mid_epoch_from_every_n_train_steps(
     trainer(tmp_path / "steps", callbacks=[every]).fit(fresh(), shuffled_loader())
     checkpoint = every.dirpath / "epoch=1-step=8.ckpt"  # type: ignore[operator]
     saved = torch.load(checkpoint, weights_only=True)
-    assert saved["loop"]["epoch"] == 1 and saved["loop"]["batch"] == 6
+    assert resume_position(saved["loops"]["fit_loop"]) == (1, 6)  # epoch 1, after batch 6
 
     module = fresh()
     trainer(tmp_path / "from8").fit(module, shuffled_loader(), ckpt_path=checkpoint)
@@ -128,7 +129,7 @@ def test_resume_rejects_a_weights_only_checkpoint(tmp_path: Path) -> None:
     t = trainer(tmp_path / "w", max_steps=1)
     t.fit(fresh(), shuffled_loader())
     t.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
-    with pytest.raises(CheckpointError, match="lacks optimizer_states, loop, rng"):
+    with pytest.raises(CheckpointError, match="lacks optimizer_states, lr_schedulers"):
         trainer(tmp_path / "w2").fit(
             fresh(), shuffled_loader(), ckpt_path=tmp_path / "weights.ckpt"
         )

@@ -6,13 +6,13 @@ Importing this package imports torch (``pip install gpulayer[torch]``);
 It also stands in for ``lightning.pytorch`` in a port: ``import
 gpulayer.train as L`` gives ``L.LightningModule``, ``L.Trainer``,
 ``L.LightningDataModule``, ``L.Callback``, ``L.seed_everything``, and the
-submodules ``L.callbacks`` and ``L.loggers`` (``lightning.pytorch.callbacks``
-and ``.loggers``). Nothing here imports lightning, torchmetrics or tensorboard.
+submodules ``L.callbacks``, ``L.loggers`` and ``L.profilers``
+(``lightning.pytorch.callbacks``, ``.loggers`` and ``.profilers``). Nothing here imports lightning, torchmetrics or tensorboard.
 """
 
 from __future__ import annotations
 
-from gpulayer.train import callbacks, loggers
+from gpulayer.train import callbacks, loggers, profilers
 from gpulayer.train.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelSummary
 from gpulayer.train.datamodule import LightningDataModule
 from gpulayer.train.errors import CheckpointError, TrainerError
@@ -42,5 +42,6 @@ __all__ = [
     "TrainerError",
     "callbacks",
     "loggers",
+    "profilers",
     "seed_everything",
 ]

@@ -58,44 +58,187 @@ NOT_PROVIDED = {
 }
 
 
+#: Every hook of Lightning 2.6.6's ``Callback`` (the public methods of
+#: lightning/pytorch/callbacks/callback.py), kept as data:
+#: tests/train/test_lightning_fit_parity.py compares it with the installed
+#: Lightning. The Trainer calls each one that :class:`Callback` defines; a
+#: callback overriding one it does not define is refused (it would not run).
+LIGHTNING_CALLBACK_HOOKS = (
+    "setup",
+    "teardown",
+    "on_fit_start",
+    "on_fit_end",
+    "on_sanity_check_start",
+    "on_sanity_check_end",
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+    "on_test_epoch_start",
+    "on_test_epoch_end",
+    "on_predict_epoch_start",
+    "on_predict_epoch_end",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+    "on_train_start",
+    "on_train_end",
+    "on_validation_start",
+    "on_validation_end",
+    "on_test_start",
+    "on_test_end",
+    "on_predict_start",
+    "on_predict_end",
+    "on_exception",
+    "state_dict",
+    "load_state_dict",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+)
+
+
 class Callback:
-    """Base class: override the hooks you need."""
+    """Base class: override the hooks you need.
+
+    Every hook of Lightning's ``Callback`` is here as a no-op, with the same
+    signature, so ``super().on_fit_start(trainer, pl_module)`` works in a
+    ported callback. The loop skips the no-ops: a hook costs something only
+    where a subclass overrides it.
+    """
 
     @property
     def state_key(self) -> str:
-        """Identifies this callback's state in a checkpoint."""
+        """Identifies this callback's state in a checkpoint (``checkpoint["callbacks"]``)."""
         return type(self).__qualname__
 
-    def on_fit_start(self, trainer: Trainer, module: Module) -> None: ...
-    def on_fit_end(self, trainer: Trainer, module: Module) -> None: ...
-    def on_train_start(self, trainer: Trainer, module: Module) -> None: ...
-    def on_train_end(self, trainer: Trainer, module: Module) -> None: ...
-    def on_train_epoch_start(self, trainer: Trainer, module: Module) -> None: ...
-    def on_train_epoch_end(self, trainer: Trainer, module: Module) -> None: ...
-    def on_validation_epoch_start(self, trainer: Trainer, module: Module) -> None: ...
-    def on_validation_epoch_end(self, trainer: Trainer, module: Module) -> None: ...
-    def on_validation_end(self, trainer: Trainer, module: Module) -> None: ...
+    @property
+    def _legacy_state_key(self) -> str | None:
+        """The key GPUlayer's first checkpoint format used, if different."""
+        return None
 
+    def _generate_state_key(self, **kwargs: Any) -> str:
+        """``ClassName{'key': value, ...}``: a state key as Lightning builds one."""
+        return f"{type(self).__qualname__}{kwargs!r}"
+
+    def setup(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
+        """Called when fit, validate, test or predict begins (``stage``)."""
+
+    def teardown(self, trainer: Trainer, pl_module: Module, stage: str) -> None:
+        """Called when fit, validate, test or predict returns."""
+
+    def on_fit_start(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_fit_end(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_sanity_check_end(self, trainer: Trainer, pl_module: Module) -> None: ...
     def on_train_batch_start(
-        self, trainer: Trainer, module: Module, batch: Any, batch_idx: int
+        self, trainer: Trainer, pl_module: Module, batch: Any, batch_idx: int
     ) -> None: ...
-
     def on_train_batch_end(
-        self, trainer: Trainer, module: Module, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: Trainer, pl_module: Module, outputs: Any, batch: Any, batch_idx: int
     ) -> None: ...
-
-    def on_save_checkpoint(
-        self, trainer: Trainer, module: Module, checkpoint: dict[str, Any]
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_test_epoch_start(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_test_epoch_end(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_predict_epoch_start(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_predict_epoch_end(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_validation_batch_start(
+        self,
+        trainer: Trainer,
+        pl_module: Module,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None: ...
-
-    def on_load_checkpoint(
-        self, trainer: Trainer, module: Module, checkpoint: dict[str, Any]
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: Module,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None: ...
+    def on_test_batch_start(
+        self,
+        trainer: Trainer,
+        pl_module: Module,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None: ...
+    def on_test_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: Module,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None: ...
+    def on_predict_batch_start(
+        self,
+        trainer: Trainer,
+        pl_module: Module,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None: ...
+    def on_predict_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: Module,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None: ...
+    def on_train_start(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_train_end(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_validation_start(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_validation_end(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_test_start(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_test_end(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_predict_start(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_predict_end(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_exception(
+        self, trainer: Trainer, pl_module: Module, exception: BaseException
     ) -> None: ...
 
     def state_dict(self) -> dict[str, Any]:
+        """What to save in checkpoints (nothing is saved for an empty dict)."""
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned."""
+
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: Module, checkpoint: dict[str, Any]
+    ) -> None: ...
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: Module, checkpoint: dict[str, Any]
+    ) -> None: ...
+    def on_before_backward(
+        self, trainer: Trainer, pl_module: Module, loss: torch.Tensor
+    ) -> None: ...
+    def on_after_backward(self, trainer: Trainer, pl_module: Module) -> None: ...
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: Module, optimizer: torch.optim.Optimizer
+    ) -> None: ...
+    def on_before_zero_grad(
+        self, trainer: Trainer, pl_module: Module, optimizer: torch.optim.Optimizer
+    ) -> None: ...
 
 
 def overrides(callback: Callback, hook: str) -> bool:
@@ -151,14 +294,24 @@ class EarlyStopping(Callback):
 
     @property
     def state_key(self) -> str:
+        return self._generate_state_key(monitor=self.monitor, mode=self.mode)  # Lightning's
+
+    @property
+    def _legacy_state_key(self) -> str:
         return f"EarlyStopping[monitor={self.monitor}]"
 
     def _on_train_epoch_end_applies(self, trainer: Trainer) -> bool:
         if self.check_on_train_epoch_end is not None:
             return self.check_on_train_epoch_end
-        return not trainer.validating_in_fit
+        # As Lightning: validating once at each epoch's end, check at the train
+        # epoch end, which sees the validation values and the training epoch's too.
+        once_per_epoch = trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch == 1
+        return not trainer.validating_in_fit or once_per_epoch
 
     def on_validation_end(self, trainer: Trainer, module: Module) -> None:
+        # As Lightning: the sanity check's values are not a check.
+        if trainer.sanity_checking:
+            return
         if trainer.fitting and not self._on_train_epoch_end_applies(trainer):
             self._check(trainer)
 
@@ -198,14 +351,15 @@ class EarlyStopping(Callback):
         return {
             "wait_count": self.wait_count,
             "stopped_epoch": self.stopped_epoch,
-            "best_score": self.best_score,
+            # A tensor, as Lightning keeps it (its EarlyStopping calls .to() on it).
+            "best_score": torch.tensor(self.best_score, dtype=torch.float64),
             "patience": self.patience,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.wait_count = state["wait_count"]
-        self.stopped_epoch = state["stopped_epoch"]
-        self.best_score = state["best_score"]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.wait_count = int(state_dict["wait_count"])
+        self.stopped_epoch = int(state_dict["stopped_epoch"])
+        self.best_score = float(state_dict["best_score"])  # a float or Lightning's tensor
 
 
 class LearningRateMonitor(Callback):

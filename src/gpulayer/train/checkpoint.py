@@ -1,18 +1,21 @@
 """Checkpoint files: written atomically, read back with plain-data unpickling.
 
-A checkpoint is a dict (``torch.save``) holding::
+A checkpoint is a dict (``torch.save``) with Lightning 2.6's keys where the
+two formats meet (:mod:`gpulayer.train.state` writes and reads it)::
 
-    format               "gpulayer.train/1"
-    state_dict           the module's weights (never the DDP wrapper's)
-    optimizer_states     [optimizer.state_dict()]
-    lr_schedulers        [scheduler.state_dict(), ...]
-    precision            the gradient scaler's state, if one runs
-    epoch, global_step   where training was (Lightning's names)
-    loop                 {"epoch", "batch"}: the next batch to train on, and
-                         "epoch_rng": the RNG states at that epoch's start
-    rng                  Python, NumPy, torch CPU and accelerator RNG states
-    callbacks            each stateful callback's state, by its state_key
-    hyper_parameters     Module.hparams
+    epoch, global_step          where training was
+    pytorch-lightning_version   the Lightning layout followed (Lightning needs it)
+    format                      "gpulayer.train/2": GPUlayer wrote it
+    state_dict                  the module's weights (never the DDP wrapper's)
+    loops                       Lightning's loop progress counters: the next batch
+                                to train; mid-epoch, also the RNG states from that
+                                epoch's start (fit_loop.state_dict.gpulayer)
+    callbacks                   each stateful callback's state, by its state_key
+    optimizer_states            [optimizer.state_dict()]
+    lr_schedulers               [scheduler.state_dict(), ...]
+    MixedPrecision              the gradient scaler's state, if one runs
+    rng                         Python, NumPy, torch CPU and accelerator RNG states
+    hyper_parameters            Module.hparams
 
 Writes go to a temporary file in the same directory, are fsynced, and renamed
 over the target, so a crash mid-write never leaves a torn ``last.ckpt``.
@@ -30,7 +33,11 @@ import torch
 
 from gpulayer.train.errors import CheckpointError
 
-FORMAT = "gpulayer.train/1"
+#: GPUlayer's checkpoint format; "gpulayer.train/1" files (``loop``, ``precision``) still load.
+FORMAT = "gpulayer.train/2"
+#: The Lightning version whose checkpoint layout GPUlayer's follows. Lightning
+#: reads it as the file's version: an older one would make it migrate the keys.
+LIGHTNING_LAYOUT = "2.6.6"
 
 try:
     import numpy as np

@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
-from gpulayer.train.callbacks import Callback
+from gpulayer.train.callbacks import LIGHTNING_CALLBACK_HOOKS, Callback
+from gpulayer.train.data import SequentialLoaders
 from gpulayer.train.errors import TrainerError, invalid_choice
 from gpulayer.train.loggers import CSVLogger, Logger
 from gpulayer.train.model_checkpoint import ModelCheckpoint
-from gpulayer.train.module import Module
+from gpulayer.train.module import Module, refuse_uncalled_hooks
 
 _log = logging.getLogger("gpulayer.train")
 
@@ -51,9 +52,16 @@ def limit_setting(name: str, value: Any) -> int | float | None:
 
 
 def resolve_limit(name: str, limit: int | float | None, data: Any) -> int | None:
-    """The number of batches ``limit`` allows from ``data`` (None: all of them)."""
+    """The number of batches ``limit`` allows from ``data`` (None: all of them).
+
+    For several dataloaders, a fraction is resolved for each one in the loop
+    (checked here): None, or 0 for 0.0.
+    """
     if limit is None or isinstance(limit, int):
         return limit
+    if isinstance(data, SequentialLoaders):
+        counts = [resolve_limit(name, limit, loader) for loader in data.loaders]
+        return 0 if not any(counts) else None
     try:
         length = len(data)
     except TypeError:
@@ -119,6 +127,8 @@ def default_callbacks(
             raise TrainerError(
                 f"callbacks must be gpulayer.train.Callback instances; got {type(cb).__name__}"
             )
+        # A Lightning hook the Trainer would not call must not be silently dropped.
+        refuse_uncalled_hooks(cb, Callback, LIGHTNING_CALLBACK_HOOKS)
     if add_default and checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in found):
         found.append(ModelCheckpoint(save_top_k=0, save_last=True))
     if not checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in found):
@@ -150,10 +160,15 @@ def check_validation_step(model: Module, step: str = "validation_step") -> None:
 
 
 def resolve_ckpt_path(
-    ckpt_path: str | Path | None, root: Path, checkpoints: list[ModelCheckpoint]
+    ckpt_path: str | Path | None,
+    root: Path,
+    checkpoints: list[ModelCheckpoint],
+    loggers: Iterable[Logger] = (),
 ) -> Path | None:
     """The file ``ckpt_path`` means. ``"last"``: the newest ``last.ckpt`` in the
-    ModelCheckpoint directories or under ``root/*/checkpoints``, or None."""
+    ModelCheckpoint directories, under ``root/*/checkpoints``, or under
+    ``<save_dir>/<name>/*/checkpoints`` of a logger given a ``save_dir`` (where
+    ModelCheckpoint writes then, as in Lightning); None if there is none."""
     if ckpt_path is None:
         return None
     if ckpt_path == "best":
@@ -168,6 +183,9 @@ def resolve_ckpt_path(
         return Path(ckpt_path)
     places = [cb.dirpath / "last.ckpt" for cb in checkpoints if cb.dirpath]
     places += root.glob("*/checkpoints/last.ckpt")
+    for logger in loggers:
+        if logger.root_dir is not None:
+            places += logger.root_dir.glob("*/checkpoints/last.ckpt")
     found = [p for p in places if p.is_file()]
     if not found:
         _log.info("ckpt_path='last': no last.ckpt under %s; starting fresh", root)
@@ -184,9 +202,7 @@ LIGHTNING_ONLY: dict[str, tuple[object, str]] = {
     "min_steps": (None, "stop with max_epochs, max_steps or EarlyStopping"),
     "max_time": (None, "give the job a timeout (gpulayer run --timeout), or use max_steps"),
     "overfit_batches": (0.0, "use limit_train_batches=N and limit_val_batches=N on the same data"),
-    "inference_mode": (True, "evaluation runs under torch.no_grad()"),
     "use_distributed_sampler": (True, "GPUlayer always shards the data across ranks"),
-    "profiler": (None, "use torch.profiler around fit(), or in a callback"),
     "detect_anomaly": (False, "wrap fit() in torch.autograd.detect_anomaly()"),
     "barebones": (False, "disable what you do not need: logger=False, enable_checkpointing=False"),
     "plugins": (None, "precision= covers GPUlayer's precision plugins"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch.utils.data import (
@@ -28,15 +28,49 @@ def check_reiterable(data: Any, argument: str) -> None:
             f"got {type(data).__name__}"
         )
     if isinstance(data, list | tuple) and data and all(isinstance(d, DataLoader) for d in data):
+        # Evaluation data has been through combine_loaders by now: this is training data.
         raise TrainerError(
-            f"{argument} is a list of {len(data)} DataLoaders; several dataloaders in one "
-            f"call are not supported (a list is read as a list of batches): pass one"
+            f"{argument} is a list of {len(data)} DataLoaders; several training dataloaders "
+            f"are not supported (a list is read as a list of batches): pass one. Several "
+            f"val/test/predict dataloaders are"
         )
     if isinstance(data, Iterator):
         raise TrainerError(
             f"{argument} is a one-shot iterator ({type(data).__name__}), which would be "
             f"empty from the second epoch on; pass a DataLoader or a list of batches"
         )
+
+
+class SequentialLoaders:
+    """Several evaluation dataloaders, run one after the other with their index
+    (``dataloader_idx``), as Lightning's ``CombinedLoader`` in "sequential" mode."""
+
+    def __init__(self, loaders: list[Any]) -> None:
+        self.loaders = loaders
+
+    def __iter__(self) -> Iterator[Any]:
+        for loader in self.loaders:
+            yield from loader
+
+    def map(self, fn: Callable[[Any], Any]) -> SequentialLoaders:
+        return SequentialLoaders([fn(loader) for loader in self.loaders])
+
+
+def combine_loaders(data: Any) -> Any:
+    """Evaluation data as Lightning reads it: a list, tuple or dict of DataLoaders
+    is several dataloaders (a dict's in its order), one of them is that one;
+    anything else (a DataLoader, a list of batches) is returned as it is."""
+    items = list(data.values()) if isinstance(data, Mapping) else data
+    if not isinstance(items, list | tuple) or not items:
+        return data
+    if not all(isinstance(d, DataLoader) for d in items):
+        if isinstance(data, Mapping):
+            kinds = sorted({type(d).__name__ for d in items})
+            raise TrainerError(
+                f"a dict of dataloaders must hold DataLoaders only; got {', '.join(kinds)}"
+            )
+        return data
+    return items[0] if len(items) == 1 else SequentialLoaders(list(items))
 
 
 class _Strided:
@@ -62,6 +96,8 @@ def shard(data: Iterable[Any], env: ClusterEnvironment, *, shuffle: bool, seed: 
     After ``seed_everything(..., workers=True)`` a DataLoader also gets the
     seeding ``worker_init_fn`` (before sharding, so the copy keeps it).
     """
+    if isinstance(data, SequentialLoaders):
+        return data.map(lambda loader: shard(loader, env, shuffle=shuffle, seed=seed))
     add_worker_init_fn(data, env.global_rank)
     if not env.distributed:
         return data

@@ -36,6 +36,7 @@ from gpulayer.train.model_checkpoint import ModelCheckpoint
 from gpulayer.train.module import Module
 from gpulayer.train.optim import SchedulerConfig
 from gpulayer.train.precision import MixedPrecision, Precision
+from gpulayer.train.profilers import Profiler, timed, timed_hook, timed_iter, timed_step
 from gpulayer.train.progress import ProgressBar
 
 if TYPE_CHECKING:
@@ -46,11 +47,56 @@ _END = object()
 
 @dataclass
 class ResumePoint:
-    """Where a checkpoint left the loop: ``batches`` done in the current epoch."""
+    """Where a checkpoint left the loop: ``batches`` done in the current epoch.
+
+    ``rng`` is None for a checkpoint that Lightning wrote (it saves no RNG
+    states); ``epoch_rng`` is None unless the checkpoint was written mid-epoch.
+    """
 
     batches: int
     epoch_rng: dict[str, Any] | None
-    rng: dict[str, Any]
+    rng: dict[str, Any] | None
+    #: ``global_step`` when the epoch began (for the per-epoch counters).
+    epoch_start_step: int = 0
+
+
+#: LoopPosition.phase values, in the order an epoch goes through them.
+PHASES = ("idle", "epoch_start", "batches", "epoch_end")
+
+
+@dataclass
+class LoopPosition:
+    """Where the fit loop is: host integers, a few assignments per batch.
+
+    A checkpoint records it as Lightning's progress counters (see
+    :mod:`gpulayer.train.state`), so that either trainer resumes the other's
+    files. ``phase`` says which of those counters have moved for ``epoch``:
+    "idle" between epochs, "epoch_start" during ``on_train_epoch_start``,
+    "batches" while the batches run, "epoch_end" from the epoch-end hooks
+    until the epoch is counted. An epoch that ``max_steps`` or
+    ``should_stop`` cut short stays at "epoch_end" after its hooks (as in
+    Lightning, whose counters then say "processed, not completed"), so that a
+    checkpoint written after ``fit`` still resumes inside it.
+    """
+
+    epoch: int = 0
+    phase: str = "idle"
+    #: Batches of ``epoch`` trained (Lightning: processed) ...
+    batches: int = 0
+    #: ... and those whose ``on_train_batch_end`` hooks have run (completed).
+    completed: int = 0
+    #: Batches trained in all epochs.
+    total: int = 0
+    #: The epoch's last batch has been trained (Lightning: is_last_batch).
+    last_batch: bool = False
+    #: No gradients wait to be accumulated into an optimizer step.
+    stepped: bool = True
+    #: Batches that ended with an optimizer step (Lightning: _batches_that_stepped).
+    stepped_batches: int = 0
+    #: ``global_step`` when ``epoch`` began.
+    epoch_start_step: int = 0
+    #: The RNG states from the epoch's start, before its loader was iterated.
+    epoch_rng: dict[str, Any] | None = None
 
 
 @dataclass
@@ -80,6 +126,8 @@ class Run:
     #: Metrics of the validation that ran with the epoch's last batch.
     pending_val: dict[str, float] = field(default_factory=dict)
     resume: ResumePoint | None = None
+    #: The Trainer's profiler; None when it records nothing (the default).
+    profiler: Profiler | None = None
     train_store: MetricStore = field(
         default_factory=lambda: MetricStore(on_step=True, on_epoch=False)
     )
@@ -146,11 +194,12 @@ class ManualOptimizer:
         if closure is not None and scaled:
             result = closure()  # a scaler cannot run a closure inside step()
         call_callbacks(self._trainer, run, "on_before_optimizer_step", optimizer)
-        run.module.on_before_optimizer_step(optimizer)
+        timed_hook(run, "on_before_optimizer_step")(optimizer)
         if closure is not None and not scaled:
-            result = optimizer.step(closure=closure, **kwargs)
+            step = timed(run.profiler, "optimizer_step", optimizer.step)
+            result = step(closure=closure, **kwargs)
         else:
-            run.precision.step(optimizer)
+            timed(run.profiler, "optimizer_step", run.precision.step)(optimizer)
         self._trainer.global_step += 1
         return result
 
@@ -173,15 +222,17 @@ def backward_hooks(trainer: Trainer, run: Run) -> tuple[list[Hook], list[Hook]]:
     """Hooks to call around each backward: callbacks' then the module's, if defined."""
     module = run.module
     before: list[Hook] = [
-        partial(h, trainer, module) for h in callback_hooks(run.callbacks, "on_before_backward")
+        partial(h, trainer, module)
+        for h in callback_hooks(run.callbacks, "on_before_backward", run.profiler)
     ]
     after: list[Hook] = [
-        partial(h, trainer, module) for h in callback_hooks(run.callbacks, "on_after_backward")
+        partial(h, trainer, module)
+        for h in callback_hooks(run.callbacks, "on_after_backward", run.profiler)
     ]
     if overridden(module, "on_before_backward"):
-        before.append(module.on_before_backward)
+        before.append(timed_hook(run, "on_before_backward"))
     if overridden(module, "on_after_backward"):
-        after.append(module.on_after_backward)
+        after.append(timed_hook(run, "on_after_backward"))
     return before, after
 
 
@@ -190,7 +241,7 @@ def backward(trainer: Trainer, run: Run, loss: torch.Tensor) -> None:
     before, after = backward_hooks(trainer, run)
     for hook in before:
         hook(loss)
-    run.precision.backward(loss)
+    timed_step(run, "backward", run.precision.backward)(loss)
     for hook in after:
         hook()
 
@@ -229,18 +280,18 @@ def publish_step_metrics(trainer: Trainer, run: Run) -> None:
 
 
 def fit_loop(trainer: Trainer, run: Run) -> None:
-    module = run.module
     prepare_train_data(trainer, run)
     if trainer.limit_train_batches == 0:
         return  # as Lightning: no training at all, not even on_train_start
     call_callbacks(trainer, run, "on_train_start")
-    module.on_train_start()
+    timed_hook(run, "on_train_start")()
+    epoch = timed(run.profiler, "run_training_epoch", train_epoch)
     while not trainer.should_stop and not trainer.max_steps_reached:
         if trainer.max_epochs >= 0 and trainer.current_epoch >= trainer.max_epochs:
             break
-        train_epoch(trainer, run)
+        epoch(trainer, run)
     call_callbacks(trainer, run, "on_train_end")
-    module.on_train_end()
+    timed_hook(run, "on_train_end")()
 
 
 def prepare_train_data(trainer: Trainer, run: Run) -> None:
@@ -310,7 +361,7 @@ def _validate_in_fit(trainer: Trainer, run: Run, stepped: bool) -> dict[str, flo
         return {}
     if stepped:
         # As Lightning: gradients are let go before validating (not mid-accumulation).
-        run.module.on_validation_model_zero_grad()
+        timed_hook(run, "on_validation_model_zero_grad")()
     host = evaluation_loop(trainer, run, "validation", run.val_data, run.val_limit)
     run.module._attach(trainer, run.train_store)
     return host
@@ -321,29 +372,35 @@ def _validation_due(trainer: Trainer) -> bool:
     return trainer.validating_in_fit and (every is None or (trainer.current_epoch + 1) % every == 0)
 
 
-def _start_epoch(run: Run, data: Any, limit: int | None) -> tuple[Any, Any, int, dict[str, Any]]:
-    """The epoch's iterator, its first batch and where to start, RNG-exactly on resume."""
-    resume, run.resume = run.resume, None
+def _start_epoch(
+    run: Run, data: Any, count: int | None, resume: ResumePoint | None
+) -> tuple[Any, Any, dict[str, Any]]:
+    """The epoch's iterator, its first batch and the RNG states from its start.
+
+    Resuming mid-epoch, the epoch's starting RNG states are put back, the
+    batches already trained on are replayed through the loader (not the
+    model) so that the sampler is where it was, then the checkpoint's RNG
+    states are put back. With a known ``count`` exactly that many batches are
+    read, as Lightning does: reading past the end would run the sampler once
+    more, which moves a generator the DataLoader was given.
+    """
     skip = resume.batches if resume is not None else 0
-    if resume is not None and resume.epoch_rng is not None:
+    if skip and resume is not None and resume.epoch_rng is not None:
         epoch_rng = resume.epoch_rng
         restore_rng_states(epoch_rng)
     else:
-        if resume is not None:
-            restore_rng_states(resume.rng)
         epoch_rng = capture_rng_states()
-    iterator = iter(data)
+    iterator = iter(timed_iter(run.profiler, "[_TrainingEpochLoop].train_dataloader_next", data))
     for done in range(skip):
-        # Replaying the loader (not the model) puts the sampler where it was.
         if next(iterator, _END) is _END:
             raise CheckpointError(
                 f"the checkpoint resumes after batch {skip} of the epoch, but the "
                 f"training data has only {done} batches"
             )
-    first = next(iterator, _END) if limit is None or skip < limit else _END
-    if resume is not None and skip:
+    first = next(iterator, _END) if count is None or skip < count else _END
+    if skip and resume is not None and resume.rng is not None:
         restore_rng_states(resume.rng)
-    return iterator, first, skip, epoch_rng
+    return iterator, first, epoch_rng
 
 
 def train_epoch(trainer: Trainer, run: Run) -> None:
@@ -351,49 +408,86 @@ def train_epoch(trainer: Trainer, run: Run) -> None:
     optimizer = run.optimizer
     assert optimizer is not None
     data, limit = run.train_data, run.train_limit
+    # None: no len(); the loader is then read one batch ahead to see its end.
+    count = batch_count(data, limit)
     set_epoch(data, trainer.current_epoch)
     store.reset()
-    iterator, pending, batch_idx, trainer._epoch_rng = _start_epoch(run, data, limit)
-    trainer._batches_done = batch_idx
-    trainer._stepped = True
+    resume, run.resume = run.resume, None
+    skip = resume.batches if resume is not None else 0
+    if resume is not None and not skip and resume.rng is not None:
+        restore_rng_states(resume.rng)
+    position = trainer._loop
+    position.epoch, position.phase = trainer.current_epoch, "epoch_start"
     module._attach(trainer, store)
     module.train()
-    call_callbacks(trainer, run, "on_train_epoch_start")
-    module.on_train_epoch_start()
+    if not skip:
+        # As Lightning: not called again when resuming mid-epoch.
+        call_callbacks(trainer, run, "on_train_epoch_start")
+        timed_hook(run, "on_train_epoch_start")()
+    # How the epoch ends: "all" its batches, "skipped" (on_train_batch_start
+    # returned -1) or "stopped" early (max_steps, should_stop).
+    ended = "all"
+    if trainer.should_stop and not run.env.distributed:
+        # As Lightning: set in on_train_epoch_start, it stops before any batch.
+        iterator, pending, epoch_rng, ended = iter(()), _END, None, "stopped"
+    else:
+        # After on_train_epoch_start, as Lightning: the loader's iterator (which
+        # draws its seed from the RNG) is made once the hooks have run.
+        iterator, pending, epoch_rng = _start_epoch(run, data, count, resume)
+    batch_idx = skip
+    # As Lightning, the epoch's batch counters start after on_train_epoch_start.
+    position.phase, position.batches, position.completed = "batches", skip, skip
+    position.last_batch, position.stepped, position.epoch_rng = False, True, epoch_rng
+    position.epoch_start_step = trainer.global_step if resume is None else resume.epoch_start_step
     progress = run.progress
     if progress is not None:
-        progress.start(f"epoch {trainer.current_epoch}", batch_count(data, limit))
+        progress.start(f"epoch {trainer.current_epoch}", count)
 
     # Per-batch hooks: looked up once per epoch, called only where defined.
-    starts = callback_hooks(run.callbacks, "on_train_batch_start")
-    ends = callback_hooks(run.callbacks, "on_train_batch_end")
-    before_step = callback_hooks(run.callbacks, "on_before_optimizer_step")
-    before_zero = callback_hooks(run.callbacks, "on_before_zero_grad")
+    prof = run.profiler
+    starts = callback_hooks(run.callbacks, "on_train_batch_start", prof)
+    ends = callback_hooks(run.callbacks, "on_train_batch_end", prof)
+    before_step = callback_hooks(run.callbacks, "on_before_optimizer_step", prof)
+    before_zero = callback_hooks(run.callbacks, "on_before_zero_grad", prof)
     if overridden(module, "on_before_zero_grad"):
-        before_zero.append(lambda _t, _m, opt: module.on_before_zero_grad(opt))
+        on_zero = timed_hook(run, "on_before_zero_grad")
+        before_zero.append(lambda _t, _m, opt: on_zero(opt))
     before_backward, after_backward = backward_hooks(trainer, run)
+    batch_start, batch_end = (timed_hook(run, f"on_train_batch_{w}") for w in ("start", "end"))
+    before_optimizer = timed_hook(run, "on_before_optimizer_step")
+    run_backward = timed_step(run, "backward", precision.backward)
+    optimizer_step = timed(prof, "optimizer_step", precision.step)
     step_schedulers = [s for s in run.schedulers if s.interval == "step"]
+    epoch_schedulers = automatic_epoch_schedulers(run, plateau=False)
     ddp, transfer, automatic = run.ddp, run.transfer, module.automatic_optimization
-    forward = ddp if ddp is not None else module.training_step
+    forward = timed_step(run, "training_step", ddp if ddp is not None else module.training_step)
     accumulate = trainer.accumulate_grad_batches
     clip_val, clip_norm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm == "norm"
     log_every, max_steps = trainer.log_every_n_steps, trainer.max_steps
     params = [p for p in module.parameters() if p.requires_grad] if clip_val else []
     val_every, validate = run.val_every, _validation_due(trainer)
     by_total = trainer.check_val_every_n_epoch is None
+    alone = not run.env.distributed
 
     while pending is not _END:
         batch = pending
         nxt = batch_idx + 1
-        pending = next(iterator, _END) if limit is None or nxt < limit else _END
-        stepping = pending is _END or nxt % accumulate == 0
+        pending = next(iterator, _END) if count is None or nxt < count else _END
+        last = pending is _END
+        stepping = last or nxt % accumulate == 0
         batch = transfer(batch, device)
         store.batch = batch
         for hook in starts:
             hook(trainer, module, batch, batch_idx)
-        if module.on_train_batch_start(batch, batch_idx) == -1:
-            break  # as Lightning: the rest of the epoch is skipped
+        if batch_start(batch, batch_idx) == -1:
+            # As Lightning: the rest of the epoch is skipped, and the epoch
+            # counts as finished (its schedulers step).
+            position.last_batch, ended = True, "skipped"
+            _step_schedulers(trainer, epoch_schedulers)
+            break
 
+        if prof is not None:
+            prof.start("run_training_batch")
         if not automatic:
             # Manual optimization: the step does backward and step itself.
             with precision.autocast():
@@ -410,7 +504,7 @@ def train_epoch(trainer: Trainer, run: Run) -> None:
                             hook(trainer, module, optimizer)
                     for hook in before_backward:
                         hook(loss)
-                    precision.backward(loss / accumulate if accumulate > 1 else loss)
+                    run_backward(loss / accumulate if accumulate > 1 else loss)
                     for hook in after_backward:
                         hook()
 
@@ -419,54 +513,77 @@ def train_epoch(trainer: Trainer, run: Run) -> None:
         if automatic and stepping:
             for hook in before_step:
                 hook(trainer, module, optimizer)
-            module.on_before_optimizer_step(optimizer)
+            before_optimizer(optimizer)
             if clip_val:
                 precision.unscale(optimizer)
                 if clip_norm:
                     torch.nn.utils.clip_grad_norm_(params, clip_val)
                 else:
                     torch.nn.utils.clip_grad_value_(params, clip_val)
-            precision.step(optimizer)
+            optimizer_step(optimizer)
             optimizer.zero_grad(set_to_none=True)
             trainer.global_step += 1
             for config in step_schedulers:
                 if trainer.global_step % config.frequency == 0:
                     config.scheduler.step()
+        if prof is not None:
+            prof.stop("run_training_batch")
+        if last and epoch_schedulers:
+            # As Lightning: with the epoch's last batch, before on_train_batch_end
+            # (ReduceLROnPlateau waits for the epoch-end metrics).
+            _step_schedulers(trainer, epoch_schedulers)
         # Manual optimization publishes every log_every_n_steps batches.
-        count = trainer.global_step if automatic else nxt
-        if (stepping or not automatic) and count % log_every == 0:
+        count_now = trainer.global_step if automatic else nxt
+        if (stepping or not automatic) and count_now % log_every == 0:
             publish_step_metrics(trainer, run)
-        trainer._batches_done = nxt
-        trainer._stepped = stepping = stepping or not automatic
-        trainer._total_batches += 1
+        stepping = stepping or not automatic
+        position.batches, position.stepped, position.last_batch = nxt, stepping, last
+        position.total += 1
         for hook in ends:
             hook(trainer, module, output, batch, batch_idx)
-        module.on_train_batch_end(output, batch, batch_idx)
+        batch_end(output, batch, batch_idx)
+        position.completed = nxt
+        host: dict[str, float] | None = None
         if validate and val_every is not None:
-            counter = trainer._total_batches if by_total else nxt
+            counter = position.total if by_total else nxt
             if counter % val_every == 0:
                 host = _validate_in_fit(trainer, run, stepping)
-                if pending is _END:
-                    run.pending_val = host
-                elif trainer.is_global_zero:
-                    _publish_epoch_metrics(trainer, run, {}, host)
+        # Stopping mid-epoch, only right after an optimizer step (so that no
+        # accumulated gradient is lost) and, under DDP, for max_steps only: a
+        # rank stopping alone would hang the others, so there should_stop is
+        # agreed on at the epoch end instead.
+        stop = (
+            stepping
+            and not last
+            and (0 <= max_steps <= trainer.global_step or (trainer.should_stop and alone))
+        )
+        if stop and trainer.should_stop and validate and host is None:
+            host = _validate_in_fit(trainer, run, stepping)  # as Lightning, before stopping
+        if host is not None:
+            if last or stop:
+                run.pending_val = host  # published with the epoch's values
+            elif trainer.is_global_zero:
+                _publish_epoch_metrics(trainer, run, {}, host)
+        position.stepped_batches += stepping
         batch_idx = nxt
-        if stepping and pending is not _END:
-            # Stopped mid-epoch: no epoch end; the position goes into last.ckpt.
-            if 0 <= max_steps <= trainer.global_step:
-                return
-            # A rank stopping alone would hang the others: under DDP,
-            # should_stop is agreed on at the epoch end instead.
-            if trainer.should_stop and not run.env.distributed:
-                return
-    end_train_epoch(trainer, run)
+        if stop:
+            ended = "stopped"
+            break
+    end_train_epoch(trainer, run, ended)
 
 
-def end_train_epoch(trainer: Trainer, run: Run) -> None:
-    module, store = run.module, run.train_store
+def end_train_epoch(trainer: Trainer, run: Run, ended: str = "all") -> None:
+    """The epoch-end hooks, as Lightning runs them, however the epoch ended.
+
+    An epoch cut short (``ended="stopped"``) still runs its hooks and counts
+    in ``current_epoch``, as in Lightning, but its epoch-interval schedulers
+    do not step, and a checkpoint resumes inside it.
+    """
+    module, store, position = run.module, run.train_store, trainer._loop
     val_host, run.pending_val = run.pending_val, {}
-    if run.val_every is None and _validation_due(trainer):
-        val_host = _validate_in_fit(trainer, run, trainer._stepped)
+    if ended == "all" and run.val_every is None and _validation_due(trainer):
+        val_host = _validate_in_fit(trainer, run, position.stepped)
+    position.phase = "epoch_end"
     # What the module logs in on_train_epoch_end is per-epoch by default.
     store.default_on_step, store.default_on_epoch = False, True
     monitors = (EarlyStopping, ModelCheckpoint)
@@ -475,29 +592,30 @@ def end_train_epoch(trainer: Trainer, run: Run) -> None:
     train_values = store.epoch_values(run.reducer)
     host = to_host({**store.step_values(), **train_values})
     trainer.callback_metrics.update(host)
-    for hook in callback_hooks(firsts, "on_train_epoch_end"):
+    for hook in callback_hooks(firsts, "on_train_epoch_end", run.profiler):
         hook(trainer, module)
-    module.on_train_epoch_end()
+    timed_hook(run, "on_train_epoch_end")()
     store.default_on_step, store.default_on_epoch = True, False
     if overridden(module, "on_train_epoch_end") or firsts:
         # What was logged there joins the epoch's values: one more read.
         train_values = store.epoch_values(run.reducer)
         host = to_host({**store.step_values(), **train_values})
         trainer.callback_metrics.update(host)
-    _step_epoch_schedulers(trainer, run)
-    trainer._epoch_finished = True
+    if ended != "stopped":
+        # Before the monitoring callbacks (Lightning: after them), so that the
+        # checkpoints they write hold the stepped scheduler.
+        _step_schedulers(trainer, automatic_epoch_schedulers(run, plateau=True))
     lasts: list[Callback] = [cb for cb in run.callbacks if isinstance(cb, monitors)]
-    for hook in callback_hooks(lasts, "on_train_epoch_end"):
+    for hook in callback_hooks(lasts, "on_train_epoch_end", run.profiler):
         hook(trainer, module)
     if run.env.distributed:
         # Early stopping decided on one rank stops all of them together.
         trainer.should_stop = distributed.any_rank(trainer.should_stop, run.device)
     if trainer.is_global_zero:
         _publish_epoch_metrics(trainer, run, {k: host[k] for k in train_values}, val_host)
-    trainer._epoch_finished = False
     trainer.current_epoch += 1
-    trainer._batches_done = 0
-    trainer._epoch_rng = None
+    if ended != "stopped":
+        position.epoch, position.phase = trainer.current_epoch, "idle"
 
 
 def _publish_epoch_metrics(
@@ -519,11 +637,22 @@ def _publish_epoch_metrics(
         run.progress.finish(shown)
 
 
-def _step_epoch_schedulers(trainer: Trainer, run: Run) -> None:
+def automatic_epoch_schedulers(run: Run, *, plateau: bool) -> list[SchedulerConfig]:
+    """The epoch-interval schedulers the loop steps: the ReduceLROnPlateau ones
+    (``plateau``) or the others; none under manual optimization, as Lightning."""
     if not run.module.automatic_optimization:
-        return  # as Lightning: under manual optimization the step steps them
-    for config in run.schedulers:
-        if config.interval != "epoch" or (trainer.current_epoch + 1) % config.frequency:
+        return []
+    return [
+        config
+        for config in run.schedulers
+        if config.interval == "epoch"
+        and isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) == plateau
+    ]
+
+
+def _step_schedulers(trainer: Trainer, configs: list[SchedulerConfig]) -> None:
+    for config in configs:
+        if (trainer.current_epoch + 1) % config.frequency:
             continue
         if isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             assert config.monitor is not None

@@ -217,13 +217,19 @@ class ExperimentWriter:
         if self._rewrite_needed:
             self.metrics_file_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.metrics_file_path.with_name(f".{self.metrics_file_path.name}.tmp")
-            tmp.write_text(",".join(self._header) + "\n" + self._format(self.metrics))
+            tmp.write_text(self._format_header() + self._format(self.metrics))
             tmp.replace(self.metrics_file_path)
             self._rewrite_needed = False
         elif self._written < len(self.metrics):
             with self.metrics_file_path.open("a") as f:
                 f.write(self._format(self.metrics[self._written :]))
         self._written = len(self.metrics)
+
+    def _format_header(self) -> str:
+        # Quoted as the rows are: a metric name may hold commas, quotes or newlines.
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerow(self._header)
+        return buf.getvalue()
 
     def _format(self, rows: list[dict[str, float]]) -> str:
         buf = io.StringIO()

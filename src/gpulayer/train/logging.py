@@ -13,6 +13,14 @@ reference to the value of its last forward call, and at the end of the epoch
 it calls ``compute()`` (which also syncs the metric across ranks) and then
 ``reset()``. torchmetrics is never imported here: a Metric can only exist if
 its package is already loaded.
+
+Names are reported as Lightning reports them. A value logged with both
+``on_step`` and ``on_epoch`` is ``name_step`` and ``name_epoch`` for the
+loggers, and also plain ``name`` for the callbacks (the step value during the
+epoch, the epoch value after it), so that ``EarlyStopping(monitor="name")``
+works; :meth:`MetricStore.keys_where` leaves the plain name out. With several
+evaluation dataloaders, a value logged from dataloader ``i`` gets the suffix
+``/dataloader_idx_{i}`` unless ``add_dataloader_idx=False``.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import torch
 from gpulayer.train.errors import TrainerError, invalid_choice
 
 REDUCE_FX = ("mean", "sum", "max", "min")
+#: Lightning's suffix for a value logged from one of several dataloaders.
+DATALOADER_SUFFIX = "/dataloader_idx_{}"
 
 Value = torch.Tensor | float
 #: Reduces a packed float32 tensor across ranks with op "sum", "max" or "min".
@@ -41,6 +51,9 @@ class _Metric:
     on_epoch: bool
     reduce_fx: str
     sync_dist: bool
+    #: The dataloader it was logged from (None: one dataloader, or an epoch-end hook).
+    dataloader_idx: int | None = None
+    add_dataloader_idx: bool = True
     last: Value | None = None
     total: Value | None = None
     weight: float = 0.0
@@ -97,7 +110,11 @@ class MetricStore:
         self.default_on_step = on_step
         self.default_on_epoch = on_epoch
         self.batch: Any = None  # the batch being processed, for batch-size inference
-        self._metrics: dict[str, _Metric] = {}
+        #: Set by the evaluation loop while one of several dataloaders runs.
+        self.dataloader_idx: int | None = None
+        # Keyed by (name, dataloader index) as Lightning keys them: the index
+        # only when it goes into the reported name.
+        self._metrics: dict[tuple[str, int | None], _Metric] = {}
 
     def log(
         self,
@@ -111,10 +128,23 @@ class MetricStore:
         reduce_fx: str = "mean",
         batch_size: int | None = None,
         sync_dist: bool = False,
+        add_dataloader_idx: bool = True,
     ) -> None:
-        metric = self._metrics.get(name)
+        index = self.dataloader_idx
+        key = (name, index if add_dataloader_idx else None)
+        metric = self._metrics.get(key)
         if metric is None:
             metric = self._define(name, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+            metric.dataloader_idx, metric.add_dataloader_idx = index, add_dataloader_idx
+            self._metrics[key] = metric
+        elif metric.dataloader_idx != index:
+            # As Lightning: one name from two dataloaders would mix their values.
+            raise TrainerError(
+                f"self.log({name!r}, ..., add_dataloader_idx=False) was called from "
+                f"{_origin(metric.dataloader_idx)} and from {_origin(index)}; give each "
+                f"dataloader its own name, or leave add_dataloader_idx=True to add "
+                f"/dataloader_idx_N"
+            )
         if is_metric_object(value):
             self._log_metric_object(name, metric, value)
             return
@@ -181,27 +211,48 @@ class MetricStore:
                 f"self.log({name!r}, on_step=False, on_epoch=False) would record nothing; "
                 f"set on_step=True or on_epoch=True"
             )
-        metric = _Metric(prog_bar, logger, step, epoch, reduce_fx, sync_dist)
-        self._metrics[name] = metric
-        return metric
+        return _Metric(prog_bar, logger, step, epoch, reduce_fx, sync_dist)
 
-    def _key(self, name: str, metric: _Metric, suffix: str) -> str:
-        return f"{name}_{suffix}" if metric.on_step and metric.on_epoch else name
+    @staticmethod
+    def _key(name: str, metric: _Metric, suffix: str | None) -> str:
+        """The name reported: ``name_{suffix}`` when forked (None: the plain name),
+        then the dataloader suffix."""
+        if suffix is not None and metric.on_step and metric.on_epoch:
+            name = f"{name}_{suffix}"
+        if metric.add_dataloader_idx and metric.dataloader_idx is not None:
+            name += DATALOADER_SUFFIX.format(metric.dataloader_idx)
+        return name
+
+    def _with_plain_names(self, values: dict[str, Value], suffix: str) -> dict[str, Value]:
+        # Lightning's callback_metrics also hold a forked value under its plain
+        # name; the same tensor, so nothing more is read.
+        for (name, _), m in self._metrics.items():
+            key = self._key(name, m, suffix)
+            if m.on_step and m.on_epoch and key in values:
+                values[self._key(name, m, None)] = values[key]
+        return values
 
     def step_values(self) -> dict[str, Value]:
-        """The latest value of each per-step metric, still on its device."""
-        return {
+        """The latest value of each per-step metric, still on its device (a forked
+        one as ``name_step`` and as ``name``)."""
+        values = {
             self._key(name, m, "step"): m.last
-            for name, m in self._metrics.items()
+            for (name, _), m in self._metrics.items()
             if m.on_step and m.last is not None
         }
+        return self._with_plain_names(values, "step")
 
-    def epoch_values(self, reducer: Reducer | None = None) -> dict[str, Value]:
-        """Each per-epoch metric reduced over the epoch (and ranks, if sync_dist)."""
+    def epoch_values(
+        self, reducer: Reducer | None = None, *, reset_metric_objects: bool = True
+    ) -> dict[str, Value]:
+        """Each per-epoch metric reduced over the epoch (and ranks, if sync_dist);
+        a forked one as ``name_epoch`` and as ``name``. ``reset_metric_objects=False``
+        leaves the torchmetrics Metrics to be reset by a later call (a read before
+        the epoch-end hooks, which may still use them)."""
         out: dict[str, Value] = {}
         shared: dict[str, list[tuple[str, _Metric]]] = {}
-        self._compute_metric_objects()
-        for name, m in self._metrics.items():
+        self._compute_metric_objects(reset_metric_objects)
+        for (name, _), m in self._metrics.items():
             if m.source is not None:
                 if m.on_epoch and m.computed is not None:
                     out[self._key(name, m, "epoch")] = m.computed
@@ -215,15 +266,15 @@ class MetricStore:
                 out[key] = m.total / m.weight if m.reduce_fx == "mean" else m.total
         for reduce_fx, items in shared.items():
             out.update(_reduce_across_ranks(reduce_fx, items, reducer))  # type: ignore[arg-type]
-        return out
+        return self._with_plain_names(out, "epoch")
 
-    def _compute_metric_objects(self) -> None:
+    def _compute_metric_objects(self, reset: bool) -> None:
         # Once per epoch, as Lightning does: compute the on_epoch ones, then
         # reset every Metric logged this epoch. A second call reuses the result.
-        for name, m in self._metrics.items():
+        for (name, _), m in self._metrics.items():
             if m.source is None or m.done:
                 continue
-            if m.on_epoch:
+            if m.on_epoch and m.computed is None:
                 value = m.source.compute()
                 if not isinstance(value, torch.Tensor) or value.numel() != 1:
                     shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
@@ -234,23 +285,40 @@ class MetricStore:
                         f"that computes one value, or log its entries one by one"
                     )
                 m.computed = value.detach().reshape(())
-            m.source.reset()
-            m.done = True
+            if reset:
+                m.source.reset()
+                m.done = True
 
     def keys_where(self, flag: str) -> set[str]:
-        """Names (as reported) of the metrics with ``prog_bar`` or ``logger`` set."""
+        """Names (as reported) of the metrics with ``prog_bar`` or ``logger`` set;
+        a forked one as ``name_step`` and ``name_epoch``, never plain."""
         keys: set[str] = set()
-        for name, m in self._metrics.items():
+        for (name, _), m in self._metrics.items():
             if getattr(m, flag):
-                if m.on_step and m.on_epoch:
-                    keys.update((f"{name}_step", f"{name}_epoch"))
-                else:
-                    keys.add(name)
+                keys.update({self._key(name, m, "step"), self._key(name, m, "epoch")})
+        return keys
+
+    def epoch_keys(self, dataloader_idx: int | None, *, logged: bool) -> set[str]:
+        """Names (as reported) of the per-epoch values logged from ``dataloader_idx``
+        (None: with one dataloader, or in an epoch-end hook). ``logged``: only
+        those with ``logger=True``, without the plain names, as Lightning's
+        ``test()`` results; else also the plain names, as its callback metrics."""
+        keys: set[str] = set()
+        for (name, _), m in self._metrics.items():
+            if m.on_epoch and m.dataloader_idx == dataloader_idx and (m.logger or not logged):
+                keys.add(self._key(name, m, "epoch"))
+                if not logged:
+                    keys.add(self._key(name, m, None))
         return keys
 
     def reset(self) -> None:
         self._metrics.clear()
         self.batch = None
+        self.dataloader_idx = None
+
+
+def _origin(dataloader_idx: int | None) -> str:
+    return "an epoch-end hook" if dataloader_idx is None else f"dataloader {dataloader_idx}"
 
 
 def _device_of(items: list[tuple[str, _Metric]]) -> torch.device:

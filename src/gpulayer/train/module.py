@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -232,6 +233,8 @@ class Module(DataHooks, torch.nn.Module):
         # Plain attributes, set past nn.Module.__setattr__'s checks.
         object.__setattr__(self, "_trainer_ref", None)
         object.__setattr__(self, "_metric_store", None)
+        # toggle_optimizer's record of each parameter's requires_grad.
+        self._param_requires_grad_state: dict[torch.nn.Parameter, bool] = {}
 
     # ---- the steps -------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -353,6 +356,58 @@ class Module(DataHooks, torch.nn.Module):
         """``loss.backward()`` through the precision's scaler, with the backward hooks."""
         self.trainer._backward(loss, *args, **kwargs)
 
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Only ``optimizer``'s parameters compute gradients until
+        :meth:`untoggle_optimizer`, as Lightning's (the GAN pattern): every other
+        optimizer's parameters get ``requires_grad=False``; the settings from
+        before are kept, and ``optimizer``'s own parameters keep theirs."""
+        chosen = self._configured_optimizer(optimizer, "toggle_optimizer")
+        saved: dict[torch.nn.Parameter, bool] = {}
+        for opt in self.trainer.optimizers:
+            for group in opt.param_groups:
+                for param in group["params"]:
+                    if param not in saved:  # a parameter two optimizers share
+                        saved[param] = param.requires_grad
+                        param.requires_grad = False
+        for group in chosen.param_groups:
+            for param in group["params"]:
+                param.requires_grad = saved[param]
+        self._param_requires_grad_state = saved
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Put back the ``requires_grad`` that :meth:`toggle_optimizer` turned off."""
+        chosen = self._configured_optimizer(optimizer, "untoggle_optimizer")
+        saved = self._param_requires_grad_state
+        for opt in self.trainer.optimizers:
+            if opt is chosen:
+                continue
+            for group in opt.param_groups:
+                for param in group["params"]:
+                    if param in saved:
+                        param.requires_grad = saved[param]
+        self._param_requires_grad_state = {}
+
+    @contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """``toggle_optimizer`` for the ``with`` block, then ``untoggle_optimizer``."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
+
+    def _configured_optimizer(self, optimizer: Any, what: str) -> torch.optim.Optimizer:
+        """The torch optimizer behind ``optimizer`` (or what ``self.optimizers()`` gave)."""
+        chosen = getattr(optimizer, "optimizer", optimizer)  # self.optimizers() wraps them
+        configured = self.trainer.optimizers
+        if not any(chosen is opt for opt in configured):
+            raise TrainerError(
+                f"{what}() got {type(optimizer).__name__}, which is not one of the "
+                f"{len(configured)} optimizer(s) configure_optimizers() returned; pass one "
+                f"of self.optimizers()"
+            )
+        return chosen  # type: ignore[no-any-return]
+
     # ---- logging ---------------------------------------------------------
     def log(
         self,
@@ -365,12 +420,14 @@ class Module(DataHooks, torch.nn.Module):
         reduce_fx: str = "mean",
         batch_size: int | None = None,
         sync_dist: bool = False,
+        add_dataloader_idx: bool = True,
     ) -> None:
         """Record ``value`` without reading it: it stays on its device.
 
         Defaults follow Lightning: in training ``on_step=True, on_epoch=False``,
-        in validation ``on_step=False, on_epoch=True``. Outside a running loop
-        this does nothing.
+        in validation ``on_step=False, on_epoch=True``. With several evaluation
+        dataloaders the name gets ``/dataloader_idx_N`` unless
+        ``add_dataloader_idx=False``. Outside a running loop this does nothing.
         """
         store = self._metric_store
         if store is not None:
@@ -384,6 +441,7 @@ class Module(DataHooks, torch.nn.Module):
                 reduce_fx=reduce_fx,
                 batch_size=batch_size,
                 sync_dist=sync_dist,
+                add_dataloader_idx=add_dataloader_idx,
             )
 
     def log_dict(self, metrics: Mapping[str, Any], **kwargs: Any) -> None:

@@ -19,7 +19,8 @@ A call, step by step (``stage`` is "fit", "validate", "test" or "predict"):
    one, wrap the module in DDP when distributed, ``on_fit_start``, the
    sanity check, then epochs until ``max_epochs``, ``max_steps`` or
    ``should_stop``; the other stages run their loop once;
-5. ``teardown(stage)`` (datamodule, callbacks, module); the loggers close.
+5. ``teardown(stage)`` (datamodule, callbacks, module), the profiler's report
+   (see :mod:`gpulayer.train.profilers`); the loggers close.
 """
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ from gpulayer.train.config import (
     set_torch_flags,
     val_check_setting,
 )
-from gpulayer.train.data import check_reiterable
+from gpulayer.train.data import check_reiterable, combine_loaders
 from gpulayer.train.datamodule import LOADERS, LightningDataModule, check_datamodule, defines
 from gpulayer.train.environment import ClusterEnvironment, detect_environment
 from gpulayer.train.errors import TrainerError, invalid_choice
 from gpulayer.train.evaluate import call_callbacks, run_evaluation, run_prediction, sanity_check
 from gpulayer.train.fit import (
+    LoopPosition,
     ManualOptimizer,
     Run,
     backward,
@@ -77,13 +79,23 @@ from gpulayer.train.module import (
 )
 from gpulayer.train.optim import parse_optimizers
 from gpulayer.train.precision import make_precision, parse_precision
+from gpulayer.train.profilers import (
+    Profiler,
+    action_name,
+    active,
+    attach,
+    make_profiler,
+    timed,
+    timed_hook,
+    timed_step,
+)
 from gpulayer.train.progress import ProgressBar
 from gpulayer.train.seed import seed_everything
 from gpulayer.train.state import (
+    check_resumable,
     dump_checkpoint,
-    restore_callbacks,
-    restore_checkpoint,
-    weights_only_checkpoint,
+    restore_modules,
+    restore_training_state,
 )
 
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true")
@@ -152,6 +164,8 @@ class Trainer:
         seed: int | None = None,
         deterministic: bool | str | None = None,
         benchmark: bool | None = None,
+        inference_mode: bool = True,
+        profiler: Profiler | str | None = None,
         **lightning_only: Any,
     ) -> None:
         refuse_unsupported(lightning_only, inspect.signature(Trainer.__init__).parameters)
@@ -240,6 +254,14 @@ class Trainer:
             raise TrainerError(f"run_name={run_name!r} must be a plain directory name")
         self.run_name = run_name
         self.seed = seed
+        #: ``with self.trainer.profiler.profile("name"):`` works in any case.
+        self.profiler: Profiler = make_profiler(profiler)
+        if not isinstance(inference_mode, bool):
+            raise TrainerError(
+                f"inference_mode={inference_mode!r} must be True (torch.inference_mode) or "
+                f"False (torch.no_grad) for validate, test and predict"
+            )
+        self.inference_mode = inference_mode
 
         self.global_step = 0
         self.current_epoch = 0
@@ -255,11 +277,7 @@ class Trainer:
         self._run: Run | None = None
         self._log_dir: Path | None = None
         # Loop position, for checkpoints: see gpulayer.train.state.
-        self._epoch_finished = False
-        self._batches_done = 0
-        self._total_batches = 0
-        self._epoch_rng: dict[str, Any] | None = None
-        self._stepped = True
+        self._loop = LoopPosition()
 
     # ---- where this process is -------------------------------------------
     @property
@@ -343,7 +361,7 @@ class Trainer:
     @property
     def at_step_boundary(self) -> bool:
         """True when no gradients are waiting to be accumulated into a step."""
-        return self._stepped
+        return self._loop.stepped
 
     # ---- the calls ---------------------------------------------------------
     def fit(
@@ -385,17 +403,24 @@ class Trainer:
                 f"gradient_clip_val={self.gradient_clip_val} does nothing under manual "
                 f"optimization; call torch.nn.utils.clip_grad_norm_ in training_step"
             )
-        path = resolve_ckpt_path(ckpt_path, self.default_root_dir, self.checkpoint_callbacks)
+        path = resolve_ckpt_path(
+            ckpt_path, self.default_root_dir, self.checkpoint_callbacks, self.loggers
+        )
 
         def body(run: Run) -> None:
             run.train_source, run.val_source = train, val
-            run.optimizers, run.schedulers = parse_optimizers(
-                model.configure_optimizers(), several=manual
-            )
-            run.manual = [ManualOptimizer(o, self, run) for o in run.optimizers]
             checkpoint = load_checkpoint(path, map_location="cpu") if path is not None else None
             if checkpoint is not None:
-                restore_checkpoint(self, run, checkpoint)
+                # As Lightning: the module, datamodule and callbacks first, so that
+                # on_load_checkpoint can reshape the model before the optimizers exist.
+                check_resumable(checkpoint)
+                restore_modules(self, run, checkpoint)
+            run.optimizers, run.schedulers = parse_optimizers(
+                timed_hook(run, "configure_optimizers")(), several=manual
+            )
+            run.manual = [ManualOptimizer(o, self, run) for o in run.optimizers]
+            if checkpoint is not None:
+                restore_training_state(self, run, checkpoint)
             if run.env.distributed:
                 find_unused = self.strategy == "ddp_find_unused_parameters_true"
                 run.ddp = distributed.wrap_ddp(model, run.device, find_unused)
@@ -404,17 +429,16 @@ class Trainer:
             self.should_stop = False
             self.validating_in_fit = val is not None and self.limit_val_batches != 0
             call_callbacks(self, run, "on_fit_start")
-            model.on_fit_start()
-            if checkpoint is not None:
-                restore_callbacks(self, checkpoint)
+            timed_hook(run, "on_fit_start")()
             self._start_loggers(model)
             self._print_summary(model)
             sanity = self.num_sanity_val_steps
             if sanity and checkpoint is None and self.validating_in_fit:
                 sanity_check(self, run, sanity, lambda: ensure_val_data(self, run))
             fit_loop(self, run)
+            self._keep_last_step_values(run)
             call_callbacks(self, run, "on_fit_end")
-            model.on_fit_end()
+            timed_hook(run, "on_fit_end")()
 
         self._call("fit", model, datamodule, body)
 
@@ -457,10 +481,19 @@ class Trainer:
             raise TrainerError("save_checkpoint() needs a model: call fit() first")
         if not self.is_global_zero:
             return
-        if weights_only:
-            atomic_save(weights_only_checkpoint(self, self._run), path)
-        else:
-            atomic_save(dump_checkpoint(self, self._run), path)
+        with self.profiler.profile("save_checkpoint"):
+            atomic_save(dump_checkpoint(self, self._run, weights_only=weights_only), path)
+
+    def _keep_last_step_values(self, run: Run) -> None:
+        """As Lightning's after fit: ``logged_metrics`` holds the last step values
+        (``name_step``), not those of the last logging step (one read per fit)."""
+        if not self.is_global_zero:
+            return  # as publish_step_metrics: logged_metrics live on rank 0
+        store = run.train_store
+        logged = store.keys_where("logger")
+        values = {k: v for k, v in store.step_values().items() if k in logged}
+        if values:
+            self.logged_metrics.update(to_host(values))
 
     def refresh_metrics(self) -> dict[str, float]:
         """Read the latest per-step values now (one host transfer) into callback_metrics."""
@@ -489,16 +522,16 @@ class Trainer:
     ) -> Callable[[], Any] | None:
         """Where ``fn``'s data comes from, asked for only when the loop needs it."""
         if given is not None:
+            if fn != "train":
+                given = combine_loaders(given)  # several val/test/predict dataloaders
             check_reiterable(given, argument)
             return lambda: given
         name = LOADERS[fn]
-        if datamodule is not None:
-            return (
-                getattr(datamodule, name)
-                if defines(datamodule, LightningDataModule, name)
-                else None
-            )
-        return getattr(model, name) if defines(model, Module, name) else None
+        owner: Any = datamodule if datamodule is not None else model
+        if not defines(owner, LightningDataModule if datamodule is not None else Module, name):
+            return None
+        method = getattr(owner, name)
+        return method if fn == "train" else lambda: combine_loaders(method())
 
     def _call(
         self,
@@ -516,12 +549,14 @@ class Trainer:
             result = body(run)
             # As Lightning: teardown on success only (datamodule, callbacks, module).
             if datamodule is not None:
-                datamodule.teardown(fn)
+                timed_hook(run, "teardown", datamodule)(fn)
             call_callbacks(self, run, "teardown", fn)
-            model.teardown(fn)
+            timed_hook(run, "teardown")(fn)
+            self.profiler.describe()  # as Lightning: the report, on success only
             distributed.finished_cleanly(True)
             return result
         except Exception as exc:
+            self.profiler.teardown(fn)
             # As Lightning: the callbacks' on_exception, then the datamodule's.
             call_callbacks(self, run, "on_exception", exc)
             if datamodule is not None:
@@ -551,6 +586,7 @@ class Trainer:
         if self.seed is not None:
             seed_everything(self.seed)
         self._log_dir = self._choose_log_dir(env)
+        attach(self.profiler, fn, env.local_rank, env.global_rank, env.world_size, self._log_dir)
         model._attach(self)
         self.datamodule = datamodule
         if datamodule is not None:
@@ -568,14 +604,20 @@ class Trainer:
             progress=ProgressBar() if show else None,
             transfer=make_transfer(model, datamodule),
             datamodule=datamodule,
+            profiler=active(self.profiler),
         )
+        run.transfer = timed_step(run, "batch_to_device", run.transfer)
         self._prepare_data(env, model, datamodule)
         if datamodule is not None:
-            datamodule.setup(fn)
+            timed_hook(run, "setup", datamodule)(fn)
         call_callbacks(self, run, "setup", fn)
-        model.setup(fn)
-        model.configure_model()
+        timed_hook(run, "setup")(fn)
+        timed_hook(run, "configure_model")()
         model.to(device)
+        # As Lightning: each call starts with no metrics from the one before.
+        self.callback_metrics.clear()
+        self.logged_metrics.clear()
+        self.progress_bar_metrics.clear()
         return run
 
     def _prepare_data(
@@ -589,7 +631,8 @@ class Trainer:
                 continue
             here = env.local_rank == 0 if owner.prepare_data_per_node else env.global_rank == 0
             if here:
-                owner.prepare_data()
+                action = action_name(owner, "prepare_data")
+                timed(active(self.profiler), action, owner.prepare_data)()
             if env.distributed:
                 _wait_for_all_ranks(PREPARE_DATA_TIMEOUT)
 
