@@ -103,10 +103,14 @@ def test_csv_logger_writes_steps_and_epochs(tmp_path: Path) -> None:
     trainer.fit(Regression(), make_batches(4), make_batches(2, seed=1))
     rows = list(csv.DictReader(io.StringIO((trainer.log_dir / "metrics.csv").read_text())))
     step_rows = [r for r in rows if r["loss"]]
-    epoch_rows = [r for r in rows if r["val_loss"]]
-    assert [int(r["step"]) for r in step_rows] == [2, 4, 6, 8]
-    assert [(int(r["step"]), int(r["epoch"])) for r in epoch_rows] == [(4, 0), (8, 1)]
-    assert all(r["train_loss"] for r in epoch_rows)
+    val_rows = [r for r in rows if r["val_loss"]]
+    epoch_rows = [r for r in rows if r["train_loss"]]
+    # As Lightning: at the batches that stepped before the current one, and a
+    # row for the validation, then one for the epoch's training values.
+    assert [int(r["step"]) for r in step_rows] == [1, 3, 5, 7]
+    assert [(int(r["step"]), int(r["epoch"])) for r in val_rows] == [(3, 0), (7, 1)]
+    assert [(int(r["step"]), int(r["epoch"])) for r in epoch_rows] == [(3, 0), (7, 1)]
+    assert rows.index(val_rows[0]) + 1 == rows.index(epoch_rows[0])
     assert float(step_rows[-1]["loss"]) == pytest.approx(trainer.callback_metrics["loss"])
     assert json.loads((trainer.log_dir / "hparams.json").read_text())["hidden"] == 8
     assert trainer.log_dir == tmp_path / "version_0"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -234,6 +234,66 @@ def refuse_unsupported(given: Mapping[str, Any], known: Iterable[str]) -> None:
         guess = difflib.get_close_matches(name, [*known, *LIGHTNING_ONLY], n=1)
         hint = f"; did you mean {guess[0]!r}?" if guess else ""
         raise TrainerError(f"Trainer() got an unknown argument {name!r}{hint}")
+
+
+#: As Lightning's Trainer reads them: ``PL_TRAINER_<ARGUMENT>`` in the
+#: environment is that argument's default, so that an unedited script's
+#: Trainer can be set from outside (``PL_TRAINER_MAX_STEPS=10``).
+ENV_PREFIX = "PL_TRAINER_"
+
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def env_defaults(names: Iterable[str], environ: Mapping[str, str]) -> dict[str, tuple[str, Any]]:
+    """The Trainer arguments that ``PL_TRAINER_<NAME>`` variables set, each
+    as (the variable's text, its value). As Lightning, a value is read as a
+    Python literal (``ast.literal_eval``, which never runs code: ``10``,
+    ``0.5``, ``False``, ``None``, ``[0, 1]``), else it is the text itself
+    (``cpu``); an unset or empty variable sets nothing."""
+    import ast
+
+    found: dict[str, tuple[str, Any]] = {}
+    for name in names:
+        text = environ.get(ENV_PREFIX + name.upper())
+        if not text:
+            continue
+        try:
+            value: Any = ast.literal_eval(text)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            value = text
+        found[name] = (text, value)
+    return found
+
+
+def defaults_from_env(init: _Init) -> _Init:
+    """Wrap ``Trainer.__init__`` so that ``PL_TRAINER_*`` variables give the
+    defaults of the arguments the call does not pass (an argument in the code
+    wins, as in Lightning). Lightning's arguments that GPUlayer refuses are
+    read too, so that one set from outside is refused, never ignored; a
+    refused value names the variable it came from."""
+    import functools
+    import inspect
+    import os
+
+    params = inspect.signature(init).parameters.values()
+    names = [p.name for p in params if p.kind is p.KEYWORD_ONLY] + list(LIGHTNING_ONLY)
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        found = {
+            name: read
+            for name, read in env_defaults(names, os.environ).items()
+            if name not in kwargs
+        }
+        try:
+            init(self, *args, **{name: value for name, (_, value) in found.items()}, **kwargs)
+        except TrainerError as e:
+            if not found:
+                raise
+            read = ", ".join(f"{ENV_PREFIX}{n.upper()}={text!r}" for n, (text, _) in found.items())
+            raise TrainerError(f"{e} (read from the environment: {read})") from e
+
+    return cast(_Init, wrapper)
 
 
 def set_torch_flags(deterministic: bool | str | None, benchmark: bool | None) -> None:

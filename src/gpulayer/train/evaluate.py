@@ -14,6 +14,12 @@ and batch hooks get ``dataloader_idx`` (only when there are several).
 Validation inside ``fit`` runs under ``torch.no_grad()``; ``validate``,
 ``test`` and ``predict`` under ``torch.inference_mode()`` unless
 ``Trainer(inference_mode=False)``, as in Lightning.
+
+What reaches the loggers follows Lightning: values logged with
+``on_step=True`` after each batch (read then, on rank 0, only if there are
+any), at the number of batches of that dataloader run before it (counted
+across the validations of one ``fit``); the per-epoch values at the end, at
+the fit loop's count of batches that stepped, with ``epoch``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from gpulayer.train.config import check_validation_step, resolve_ckpt_path, reso
 from gpulayer.train.data import SequentialLoaders, check_reiterable, shard
 from gpulayer.train.datamodule import LOADERS, LightningDataModule, defines
 from gpulayer.train.errors import TrainerError
-from gpulayer.train.logging import MetricStore, to_host
+from gpulayer.train.logging import MetricStore, log_to_loggers, to_host
 from gpulayer.train.module import Module, move_to_device
 from gpulayer.train.profilers import (
     Profiler,
@@ -215,6 +221,19 @@ def _hand_out(
         trainer.progress_bar_metrics.update({k: v for k, v in host.items() if k in shown})
 
 
+def _log_batch(trainer: Trainer, run: Run, store: MetricStore, index: int) -> None:
+    """As Lightning after each evaluation batch (not in the sanity check): the
+    per-step values logged from this dataloader go to the loggers, at the number
+    of its batches that came before. One read, only when there is such a value."""
+    step = run.eval_batches.get(index, 0)
+    run.eval_batches[index] = step + 1
+    if not trainer.is_global_zero or not trainer.loggers:
+        return
+    values = store.logged_step_values(store.dataloader_idx)
+    if values:
+        log_to_loggers(trainer.loggers, to_host(values), step)
+
+
 def evaluation_loop(
     trainer: Trainer,
     run: Run,
@@ -275,6 +294,8 @@ def evaluation_loop(
                 for hook in ends:
                     hook(trainer, module, output, batch, batch_idx, *extra)
                 module_end(output, batch, batch_idx, *extra)
+                if not sanity:
+                    _log_batch(trainer, run, store, index)
         store.batch, store.dataloader_idx = None, None
         epoch_end = f"on_{stage}_epoch_end"
         if not sanity and (hooks(epoch_end) or overridden(module, epoch_end)):
@@ -415,8 +436,15 @@ def run_evaluation(
         if trainer.is_global_zero:
             logged = {k: v for k, v in host.items() if k in store.keys_where("logger")}
             trainer.logged_metrics.update(logged)
-            for logger in trainer.loggers:
-                logger.log_metrics(logged, trainer.global_step)
+            # As Lightning: the per-epoch values, at the fit loop's count of
+            # batches that stepped (0 without a fit), with the epoch.
+            keys = store.logged_epoch_keys()
+            log_to_loggers(
+                trainer.loggers,
+                {k: v for k, v in logged.items() if k in keys},
+                trainer._loop.stepped_batches,
+                trainer.current_epoch,
+            )
             if verbose:
                 for index, metrics in enumerate(results):
                     if count > 1:

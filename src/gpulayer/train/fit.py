@@ -3,7 +3,10 @@
 Per batch the host only launches work: it moves the batch, runs the step,
 and every ``accumulate_grad_batches`` batches steps the optimizer. Nothing
 here reads a device value except :func:`publish_step_metrics` (every
-``log_every_n_steps`` optimizer steps) and the epoch-end reads.
+``log_every_n_steps`` optimizer steps, and after ``should_stop`` is set) and
+the epoch-end reads. The loggers get the values at Lightning's steps (see
+:mod:`gpulayer.train.logging`): the count of batches that stepped before the
+current one, ``LoopPosition.stepped_batches``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from gpulayer.train.evaluate import (
     evaluation_loop,
     overridden,
 )
-from gpulayer.train.logging import MetricStore, Reducer, to_host
+from gpulayer.train.logging import MetricStore, Reducer, log_to_loggers, to_host
 from gpulayer.train.model_checkpoint import ModelCheckpoint
 from gpulayer.train.module import Module
 from gpulayer.train.optim import SchedulerConfig
@@ -123,8 +126,9 @@ class Run:
     val_limit: int | None = None
     #: Validate every this many training batches (None: at each epoch's end).
     val_every: int | None = None
-    #: Metrics of the validation that ran with the epoch's last batch.
-    pending_val: dict[str, float] = field(default_factory=dict)
+    #: Evaluation batches run per dataloader, the step of their per-step values.
+    #: As Lightning: counted across the validations of one fit, anew per call.
+    eval_batches: dict[int, int] = field(default_factory=dict)
     resume: ResumePoint | None = None
     #: The Trainer's profiler; None when it records nothing (the default).
     profiler: Profiler | None = None
@@ -259,24 +263,43 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     )
 
 
-def publish_step_metrics(trainer: Trainer, run: Run) -> None:
-    """Read the latest per-step values to the host (one transfer) and hand them out."""
+def publish_step_metrics(trainer: Trainer, run: Run, *, show: bool = True) -> dict[str, float]:
+    """Read the latest per-step values to the host (one transfer) for the
+    callbacks and (``show``) the progress bar; return them for the loggers."""
     host = to_host(run.train_store.step_values())
     trainer.callback_metrics.update(host)
+    if show and trainer.is_global_zero:
+        prog = run.train_store.keys_where("prog_bar")
+        shown = {k: v for k, v in host.items() if k in prog}
+        trainer.progress_bar_metrics.update(shown)
+        if run.progress is not None:
+            run.progress.show(shown)
+    return host
+
+
+def log_step_metrics(trainer: Trainer, run: Run, host: dict[str, float]) -> None:
+    """Hand the per-step values read to the loggers at Lightning's step: the
+    batches that stepped before this one (the first batch's at 0)."""
     if not trainer.is_global_zero:
-        return
-    prog = run.train_store.keys_where("prog_bar")
+        return  # logged_metrics and the loggers live on rank 0
     logged = run.train_store.keys_where("logger")
-    trainer.progress_bar_metrics.update({k: v for k, v in host.items() if k in prog})
     to_log = {k: v for k, v in host.items() if k in logged}
     trainer.logged_metrics.update(to_log)
-    if to_log:
-        for logger in trainer.loggers:
-            logger.log_metrics(
-                {**to_log, "epoch": float(trainer.current_epoch)}, trainer.global_step
-            )
-    if run.progress is not None:
-        run.progress.show({k: v for k, v in host.items() if k in prog})
+    log_to_loggers(trainer.loggers, to_log, trainer._loop.stepped_batches, trainer.current_epoch)
+
+
+def log_validation_metrics(trainer: Trainer, run: Run, host: dict[str, float], step: int) -> None:
+    """Hand a validation's values to the loggers, as soon as it has run (Lightning's
+    order): its per-epoch values, at ``step`` (the batches that stepped before the
+    batch it followed). Its per-step values went out batch by batch."""
+    if not trainer.is_global_zero:
+        return
+    store = run.val_store
+    every = store.keys_where("logger")
+    trainer.logged_metrics.update({k: v for k, v in host.items() if k in every})
+    keys = store.logged_epoch_keys()
+    logged = {k: v for k, v in host.items() if k in keys}
+    log_to_loggers(trainer.loggers, logged, step, trainer.current_epoch)
 
 
 def fit_loop(trainer: Trainer, run: Run) -> None:
@@ -532,17 +555,27 @@ def train_epoch(trainer: Trainer, run: Run) -> None:
             # As Lightning: with the epoch's last batch, before on_train_batch_end
             # (ReduceLROnPlateau waits for the epoch-end metrics).
             _step_schedulers(trainer, epoch_schedulers)
-        # Manual optimization publishes every log_every_n_steps batches.
-        count_now = trainer.global_step if automatic else nxt
-        if (stepping or not automatic) and count_now % log_every == 0:
-            publish_step_metrics(trainer, run)
+        # As Lightning, every manual-optimization batch counts as one that stepped.
         stepping = stepping or not automatic
+        # As Lightning: the values are published every log_every_n_steps batches
+        # that stepped, counted over all epochs. They are read before the
+        # on_train_batch_end hooks, which may look at callback_metrics.
+        due = stepping and (position.stepped_batches + 1) % log_every == 0
+        step_host = publish_step_metrics(trainer, run) if due else None
+        calls = store.calls
         position.batches, position.stepped, position.last_batch = nxt, stepping, last
         position.total += 1
         for hook in ends:
             hook(trainer, module, output, batch, batch_idx)
         batch_end(output, batch, batch_idx)
         position.completed = nxt
+        # The loggers get them after those hooks, as in Lightning, and once
+        # should_stop is set on every batch that steps (as Lightning's
+        # should_update_logs). A second read only if the hooks logged more.
+        if stepping and (due or trainer.should_stop):
+            if step_host is None or store.calls != calls:
+                step_host = publish_step_metrics(trainer, run, show=step_host is None)
+            log_step_metrics(trainer, run, step_host)
         host: dict[str, float] | None = None
         if validate and val_every is not None:
             counter = position.total if by_total else nxt
@@ -560,10 +593,10 @@ def train_epoch(trainer: Trainer, run: Run) -> None:
         if stop and trainer.should_stop and validate and host is None:
             host = _validate_in_fit(trainer, run, stepping)  # as Lightning, before stopping
         if host is not None:
-            if last or stop:
-                run.pending_val = host  # published with the epoch's values
-            elif trainer.is_global_zero:
-                _publish_epoch_metrics(trainer, run, {}, host)
+            # As Lightning: at the count of batches that stepped before this one.
+            log_validation_metrics(trainer, run, host, position.stepped_batches)
+            if not (last or stop) and trainer.is_global_zero:
+                _show_epoch_metrics(trainer, run)  # at the epoch's end otherwise
         position.stepped_batches += stepping
         batch_idx = nxt
         if stop:
@@ -580,9 +613,13 @@ def end_train_epoch(trainer: Trainer, run: Run, ended: str = "all") -> None:
     do not step, and a checkpoint resumes inside it.
     """
     module, store, position = run.module, run.train_store, trainer._loop
-    val_host, run.pending_val = run.pending_val, {}
+    # Lightning logs the epoch's values with its counter of batches that
+    # stepped taken back by one: that of the epoch's last stepping batch.
+    epoch_step = position.stepped_batches - 1
     if ended == "all" and run.val_every is None and _validation_due(trainer):
+        # Lightning validates with the last batch, before counting it as stepped.
         val_host = _validate_in_fit(trainer, run, position.stepped)
+        log_validation_metrics(trainer, run, val_host, epoch_step)
     position.phase = "epoch_end"
     # What the module logs in on_train_epoch_end is per-epoch by default.
     store.default_on_step, store.default_on_epoch = False, True
@@ -612,25 +649,20 @@ def end_train_epoch(trainer: Trainer, run: Run, ended: str = "all") -> None:
         # Early stopping decided on one rank stops all of them together.
         trainer.should_stop = distributed.any_rank(trainer.should_stop, run.device)
     if trainer.is_global_zero:
-        _publish_epoch_metrics(trainer, run, {k: host[k] for k in train_values}, val_host)
+        logged_keys = store.keys_where("logger")
+        logged = {k: host[k] for k in train_values if k in logged_keys}
+        trainer.logged_metrics.update(logged)
+        log_to_loggers(trainer.loggers, logged, epoch_step, trainer.current_epoch)
+        _show_epoch_metrics(trainer, run)
     trainer.current_epoch += 1
     if ended != "stopped":
         position.epoch, position.phase = trainer.current_epoch, "idle"
 
 
-def _publish_epoch_metrics(
-    trainer: Trainer, run: Run, train: dict[str, float], val: dict[str, float]
-) -> None:
+def _show_epoch_metrics(trainer: Trainer, run: Run) -> None:
+    """The progress bar's values after a validation or at the epoch's end."""
     stores = (run.train_store, run.val_store)
-    logged_keys = set().union(*(s.keys_where("logger") for s in stores))
     prog_keys = set().union(*(s.keys_where("prog_bar") for s in stores))
-    values = {**train, **val}
-    logged = {k: v for k, v in values.items() if k in logged_keys}
-    trainer.logged_metrics.update(logged)
-    if logged:
-        epoch = float(trainer.current_epoch)
-        for logger in trainer.loggers:
-            logger.log_metrics({**logged, "epoch": epoch}, trainer.global_step)
     if run.progress is not None:
         shown = {k: v for k, v in trainer.callback_metrics.items() if k in prog_keys}
         trainer.progress_bar_metrics.update(shown)

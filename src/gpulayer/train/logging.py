@@ -21,18 +21,29 @@ epoch, the epoch value after it), so that ``EarlyStopping(monitor="name")``
 works; :meth:`MetricStore.keys_where` leaves the plain name out. With several
 evaluation dataloaders, a value logged from dataloader ``i`` gets the suffix
 ``/dataloader_idx_{i}`` unless ``add_dataloader_idx=False``.
+
+Values reach the loggers (:func:`log_to_loggers`) at Lightning's steps: the
+number of training batches that ended with an optimizer step *before* the
+current one (Lightning's ``_batches_that_stepped``), so the first batch's
+values are at step 0; a validation inside ``fit`` at that same count, the
+epoch's training values at the count of the epoch's last stepping batch, and
+an evaluation batch's per-step values at the number of batches of its
+dataloader that came before it.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gpulayer.train.errors import TrainerError, invalid_choice
+
+if TYPE_CHECKING:
+    from gpulayer.train.loggers import Logger
 
 REDUCE_FX = ("mean", "sum", "max", "min")
 #: Lightning's suffix for a value logged from one of several dataloaders.
@@ -115,6 +126,9 @@ class MetricStore:
         # Keyed by (name, dataloader index) as Lightning keys them: the index
         # only when it goes into the reported name.
         self._metrics: dict[tuple[str, int | None], _Metric] = {}
+        #: Calls of :meth:`log` so far: a host integer that says whether values
+        #: read earlier are still the latest, without reading anything.
+        self.calls = 0
 
     def log(
         self,
@@ -130,6 +144,7 @@ class MetricStore:
         sync_dist: bool = False,
         add_dataloader_idx: bool = True,
     ) -> None:
+        self.calls += 1
         index = self.dataloader_idx
         key = (name, index if add_dataloader_idx else None)
         metric = self._metrics.get(key)
@@ -242,6 +257,16 @@ class MetricStore:
         }
         return self._with_plain_names(values, "step")
 
+    def logged_step_values(self, dataloader_idx: int | None) -> dict[str, Value]:
+        """The latest per-step values with ``logger=True`` logged from
+        ``dataloader_idx`` (as reported, never plain): what an evaluation batch
+        hands to the loggers, as Lightning's per-dataloader results do."""
+        return {
+            self._key(name, m, "step"): m.last
+            for (name, _), m in self._metrics.items()
+            if m.on_step and m.logger and m.last is not None and m.dataloader_idx == dataloader_idx
+        }
+
     def epoch_values(
         self, reducer: Reducer | None = None, *, reset_metric_objects: bool = True
     ) -> dict[str, Value]:
@@ -298,6 +323,15 @@ class MetricStore:
                 keys.update({self._key(name, m, "step"), self._key(name, m, "epoch")})
         return keys
 
+    def logged_epoch_keys(self) -> set[str]:
+        """Names (as reported, never plain) of the per-epoch values with
+        ``logger=True``: what the end of a loop hands to the loggers."""
+        return {
+            self._key(name, m, "epoch")
+            for (name, _), m in self._metrics.items()
+            if m.on_epoch and m.logger
+        }
+
     def epoch_keys(self, dataloader_idx: int | None, *, logged: bool) -> set[str]:
         """Names (as reported) of the per-epoch values logged from ``dataloader_idx``
         (None: with one dataloader, or in an epoch-end hook). ``logged``: only
@@ -342,6 +376,33 @@ def _reduce_across_ranks(
     else:
         values = reducer(torch.stack(parts), reduce_fx)
     return {key: values[i] for i, (key, _) in enumerate(items)}
+
+
+def log_to_loggers(
+    loggers: Sequence[Logger],
+    metrics: Mapping[str, float],
+    step: int,
+    epoch: int | None = None,
+) -> None:
+    """Hand ``metrics`` to each logger, as Lightning's trainer does.
+
+    With ``epoch`` (what the loops log, at the fit loop's count ``step``), an
+    ``"epoch"`` value is added unless one was logged, and a value logged as
+    ``"step"`` is taken out and used as the step instead; without it (an
+    evaluation batch's values, at that batch's own step) they go as they are.
+    Nothing is sent when there is nothing to send.
+    """
+    if not metrics or not loggers:
+        return
+    values = dict(metrics)
+    if epoch is not None:
+        logged_step = values.pop("step", None)
+        if logged_step is not None:
+            step = int(logged_step)
+        else:
+            values.setdefault("epoch", float(epoch))
+    for logger in loggers:
+        logger.log_metrics(values, step)
 
 
 def to_host(values: Mapping[str, Value]) -> dict[str, float]:

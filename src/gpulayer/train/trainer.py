@@ -44,6 +44,7 @@ from gpulayer.train.config import (
     count_setting,
     default_callbacks,
     default_loggers,
+    defaults_from_env,
     fast_dev_run_setting,
     limit_setting,
     next_version,
@@ -129,9 +130,12 @@ class Trainer:
 
     Arguments follow Lightning's ``Trainer`` (see ``docs/trainer.md`` for
     what differs). Settings are checked here; the environment (ranks,
-    devices) is read when a call starts.
+    devices) is read when a call starts. As in Lightning, a
+    ``PL_TRAINER_<ARGUMENT>`` variable gives the default of an argument the
+    code does not pass (see :func:`gpulayer.train.config.defaults_from_env`).
     """
 
+    @defaults_from_env
     def __init__(
         self,
         *,
