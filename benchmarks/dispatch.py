@@ -5,7 +5,16 @@ noisy machine:
 
 1. bare: `subprocess.run([sys.executable, "-c", "pass"])`, the floor;
 2. one job: submit until `wait()` returns, on an idle local worker;
-   (1) and (2) alternate, and each reports the median of `--repeat` runs;
+   a command job, ``python -c pass`` itself;
+2a. a trivial script job (a ``.py`` file holding ``print()``), warm: forked
+   from the worker's ready interpreter (the worker is started with
+   ``GPULAYER_WARM=ready``, so it is made and waited for first;
+   ``GPULAYER_PRELOAD`` as set, default torch and numpy);
+2b. the same script job cold (``warm=False``), for comparison;
+   (1), (2), (2a) and (2b) alternate, and each reports the median of
+   `--repeat` runs, its ratio to bare, and the quartiles of its ratio to the
+   bare run just before it; each script job's record must say the start it
+   was measured as (``warm``, or ``cold: <why>``), or the benchmark stops;
 3. bare throughput: `--jobs` such processes on `--workers` runner threads;
 4. GPUlayer throughput: `--jobs` jobs on `--workers` local workers;
    (3) and (4) alternate for `--rounds` bursts each, medians reported;
@@ -29,6 +38,7 @@ counted over HTTP from one client, with no worker taking them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -38,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -47,6 +58,12 @@ from harness import Announced, exit_on_sigterm, free_port, stop
 import gpulayer
 
 NOOP = [sys.executable, "-c", "pass"]
+TRIVIAL_SCRIPT = "print()\n"
+# Warm script job over bare `python -c pass`, at most: faster than starting
+# an interpreter at all (over HTTP, two requests' worth more).
+TARGET_WARM = {"embedded": 0.5, "server": 0.7}
+# What the workers of the single-job measure are started with (warm.py).
+WARM_READY = {"GPULAYER_WARM": "ready"}
 
 
 def bare_once() -> float:
@@ -64,33 +81,90 @@ def gpulayer_once(client: gpulayer.Client) -> tuple[float, dict[str, float]]:
     return elapsed, job.info.timings()
 
 
+def script_once(
+    client: gpulayer.Client, script: Path, warm: bool
+) -> tuple[float, dict[str, float]]:
+    """The trivial script job, submit until ``wait()`` returns; it must have
+    started as asked (warm: forked from the ready interpreter)."""
+    start = time.perf_counter()
+    job = client.submit(script, warm=warm)
+    status = job.wait()
+    elapsed = time.perf_counter() - start
+    if status != "succeeded":
+        raise RuntimeError(f"script job {job.id} {status}: {job.info.reason}\n{job.logs()}")
+    if (job.info.start == "warm") != warm:
+        raise RuntimeError(
+            f"script job {job.id} started {job.info.start!r}, not {'warm' if warm else 'cold'}: "
+            "its figure would be mislabelled"
+        )
+    return elapsed, job.info.timings()
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment while the block runs: an
+    embedded worker reads ``GPULAYER_WARM`` as it starts."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def single(repeat: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as home, gpulayer.Client(home=home) as client:
+    with (
+        tempfile.TemporaryDirectory() as home,
+        gpulayer.Client(home=home) as client,
+        environment(WARM_READY),
+    ):
         client.ensure_local_workers(1)
-        return measure_single(client, repeat)
+        return measure_single(client, repeat, TARGET_WARM["embedded"])
 
 
-def measure_single(client: gpulayer.Client, repeat: int) -> dict[str, Any]:
-    """Bare and one job alternate on ``client``'s idle worker; medians of each."""
-    bare, ours, stages = [], [], []
-    for _ in range(3):  # warm up both paths
-        bare_once()
-        gpulayer_once(client)
-    for _ in range(repeat):
-        bare.append(bare_once())
-        took, timings = gpulayer_once(client)
-        ours.append(took)
-        stages.append(timings)
-    median_stages = {k: statistics.median(s[k] for s in stages) for k in stages[0]}
-    return {
-        "bare_ms": statistics.median(bare) * 1e3,
-        "gpulayer_ms": statistics.median(ours) * 1e3,
-        "ratio": statistics.median(ours) / statistics.median(bare),
+def measure_single(client: gpulayer.Client, repeat: int, warm_target: float) -> dict[str, Any]:
+    """Bare, one command job, the trivial script job warm and cold alternate
+    on ``client``'s idle worker; medians of each."""
+    runs: dict[str, list[float]] = {"bare": [], "gpulayer": [], "warm": [], "cold_script": []}
+    stages: dict[str, list[dict[str, float]]] = {"gpulayer": [], "warm": [], "cold_script": []}
+    with tempfile.TemporaryDirectory(prefix="gpulayer-trivial-") as src:
+        script = Path(src) / "trivial.py"  # alone in its folder: a one-file bundle
+        script.write_text(TRIVIAL_SCRIPT)
+        jobs: dict[str, Callable[[], tuple[float, dict[str, float]]]] = {
+            "gpulayer": lambda: gpulayer_once(client),
+            "warm": lambda: script_once(client, script, warm=True),
+            "cold_script": lambda: script_once(client, script, warm=False),
+        }
+        for _ in range(3):  # warm up every path
+            bare_once()
+            for once in jobs.values():
+                once()
+        for _ in range(repeat):
+            runs["bare"].append(bare_once())
+            for name, once in jobs.items():
+                took, timings = once()
+                runs[name].append(took)
+                stages[name].append(timings)
+    bare = statistics.median(runs["bare"])
+    out: dict[str, Any] = {"bare_ms": bare * 1e3, "warm_target": warm_target}
+    for name in jobs:
+        prefix = "" if name == "gpulayer" else f"{name}_"
+        median_stages = {k: statistics.median(s[k] for s in stages[name]) for k in stages[name][0]}
+        out[f"{name}_ms"] = statistics.median(runs[name]) * 1e3
+        out[f"{prefix}ratio"] = statistics.median(runs[name]) / bare
         # Each job against the bare start just before it: how far one run's
         # figure can move on this machine by noise alone.
-        "pair_ratio_quartiles": _quartiles([o / b for o, b in zip(ours, bare, strict=True)]),
-        "stages_ms": {k: round(v * 1e3, 3) for k, v in median_stages.items()},
-    }
+        out[f"{prefix}pair_ratio_quartiles"] = _quartiles(
+            [o / b for o, b in zip(runs[name], runs["bare"], strict=True)]
+        )
+        out[f"{prefix}stages_ms"] = {k: round(v * 1e3, 3) for k, v in median_stages.items()}
+    out["warm_ok"] = out["warm_ratio"] <= warm_target
+    out["preload"] = os.environ.get("GPULAYER_PRELOAD", "torch,numpy")
+    return out
 
 
 def _quartiles(values: list[float]) -> list[float]:
@@ -310,9 +384,10 @@ class LoopbackServer:
         self.proc = self._spawn(argv, log, "the server")
         self.admin = (home / "admin-token").read_text().strip()
 
-    def start_workers(self, count: int) -> None:
-        """``count`` one-slot CPU worker processes, each registered when this returns."""
-        env = {**os.environ, "GPULAYER_TOKEN": self.admin}
+    def start_workers(self, count: int, env: dict[str, str] | None = None) -> None:
+        """``count`` one-slot CPU worker processes, each registered when this
+        returns; with this process's environment, and ``env`` over it."""
+        env = {**os.environ, **(env or {}), "GPULAYER_TOKEN": self.admin}
         for _ in range(count):
             i = len(self.workers)
             argv = _cli(
@@ -351,8 +426,8 @@ class LoopbackServer:
 
 def server_single(repeat: int) -> dict[str, Any]:
     with LoopbackServer() as srv, srv.client() as client:
-        srv.start_workers(1)
-        return measure_single(client, repeat)
+        srv.start_workers(1, WARM_READY)
+        return measure_single(client, repeat, TARGET_WARM["server"])
 
 
 def server_throughput(jobs: int, workers: int, rounds: int) -> dict[str, Any]:
@@ -372,17 +447,47 @@ def server_submits(count: int) -> dict[str, float]:
         return measure_submits(client, count)
 
 
-def ratio_note(figures: dict[str, Any], target: str) -> str:
+def ratio_note(figures: dict[str, Any], target: str, prefix: str = "") -> str:
     """A ratio, the range this run's noise gave it (the quartiles of the
-    single jobs' pairs, or the lowest and highest of the bursts') and its target."""
+    single jobs' pairs, or the lowest and highest of the bursts') and its
+    target; ``prefix`` picks a single job's kind ("warm_", "cold_script_")."""
     if "round_ratios" in figures:
         label, values = "rounds", figures["round_ratios"]
     else:
-        label, values = "pairs' quartiles", figures["pair_ratio_quartiles"]
+        label, values = "pairs' quartiles", figures[f"{prefix}pair_ratio_quartiles"]
     return (
-        f"{figures['ratio']:.3f}x bare ({label} {min(values):.3f}-{max(values):.3f}; "
+        f"{figures[f'{prefix}ratio']:.3f}x bare ({label} {min(values):.3f}-{max(values):.3f}; "
         f"target {target})"
     )
+
+
+def script_rows(one: dict[str, Any], over: str) -> list[tuple[str, str, str]]:
+    """The trivial script job's rows, warm against its target, and cold."""
+    target = one["warm_target"]
+    verdict = "met" if one["warm_ok"] else "NOT met"
+    return [
+        (
+            f"trivial script job{over}, warm",
+            f"{one['warm_ms']:.2f} ms",
+            ratio_note(one, f"<= {target:.2f}: {verdict}", "warm_"),
+        ),
+        (
+            f"trivial script job{over}, cold",
+            f"{one['cold_script_ms']:.2f} ms",
+            ratio_note(one, "none, for comparison", "cold_script_"),
+        ),
+    ]
+
+
+def print_stages(one: dict[str, Any]) -> None:
+    for label, key in (
+        ("one job", "stages_ms"),
+        ("the warm script job", "warm_stages_ms"),
+        ("the cold script job", "cold_script_stages_ms"),
+    ):
+        print(
+            f"stages of {label} (median ms): " + ", ".join(f"{k} {v}" for k, v in one[key].items())
+        )
 
 
 def print_rows(rows: list[tuple[str, str, str]]) -> None:
@@ -408,6 +513,7 @@ def main_server(args: argparse.Namespace, machine: str) -> None:
                 f"{one['gpulayer_ms']:.2f} ms",
                 ratio_note(one, "<= 1.20"),
             ),
+            *script_rows(one, " over HTTP"),
             (
                 f"bare, {args.jobs} on {args.workers} threads",
                 f"{burst['bare_jobs_per_s']:.1f} jobs/s",
@@ -427,10 +533,7 @@ def main_server(args: argparse.Namespace, machine: str) -> None:
             ),
         ]
     )
-    print(
-        "stages of one job (median ms): "
-        + ", ".join(f"{k} {v}" for k, v in one["stages_ms"].items())
-    )
+    print_stages(one)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
@@ -475,6 +578,9 @@ def main() -> None:
         "results/dispatch-server.json with --server)",
     )
     args = parser.parse_args()
+    for option in ("jobs", "workers", "repeat", "rounds", "submits"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option} must be at least 1, got {getattr(args, option)}")
     name = "dispatch-server.json" if args.server else "dispatch.json"
     args.json = args.json or Path(__file__).parent / "results" / name
 
@@ -500,6 +606,7 @@ def main() -> None:
             f"{one['gpulayer_ms']:.2f} ms",
             ratio_note(one, "<= 1.10"),
         ),
+        *script_rows(one, ""),
         (
             f"bare, {args.jobs} on {args.workers} threads",
             f"{burst['bare_jobs_per_s']:.1f} jobs/s",
@@ -522,10 +629,7 @@ def main() -> None:
         if f"{name}_ms" in hit
     ]
     print_rows(rows)
-    print(
-        "stages of one job (median ms): "
-        + ", ".join(f"{k} {v}" for k, v in one["stages_ms"].items())
-    )
+    print_stages(one)
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(

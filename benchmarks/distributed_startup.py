@@ -1,12 +1,14 @@
-"""Where the start-up of a trivial 2 x 2 distributed job goes, direct launcher
-against torchrun.
+"""Where the start-up of a trivial 2 x 2 distributed job goes: the direct
+launcher cold and warm, against torchrun.
 
 One job of 2 nodes x 2 ranks per node on 2 one-slot workers. Each rank runs a
 script whose very first statement records ``time.time()`` (nothing imported
 before it but ``time``), then imports torch, initialises the process group
 (gloo on CPU; NCCL with one GPU per rank when CUDA shows 4 GPUs or more, in
 embedded mode only, where the local workers split the GPUs between them),
-all-reduces one value, destroys the group, and prints its timestamps as one
+all-reduces one value, destroys the group, reads its own memory (RSS, and
+its private part, the USS: ``Private_Clean + Private_Dirty`` in
+``/proc/self/smaps_rollup``), and prints its timestamps and memory as one
 JSON line; the benchmark reads them from the job's logs and puts them next to
 the job's own marks (``submitted``, ``started`` = the latest node's process
 start, ``exited`` = the latest node's exit, ``finished``):
@@ -38,13 +40,30 @@ processes, "launcher start-up" an interpreter's start, and "launcher
 shutdown" the ranks' own interpreter exit after importing torch (a cost the
 launchers' figures include as well).
 
-Bare, direct and torchrun take turns, ``--repeat`` runs each (the order
-rotated every round), after ``--warmup`` unmeasured runs each; medians are
-reported (min-to-max rows: median of each run's minimum to median of its
-maximum).
+The jobs are run three ways: ``direct``, the direct launcher with a cold
+start (``warm=False``: each rank a new interpreter); ``warm``, the direct
+launcher with a warm start (each rank forked from the worker's ready
+interpreter, which has imported torch: see src/gpulayer/worker/warm.py); and
+``torchrun``. The benchmark sets ``GPULAYER_WARM=ready`` for the workers it
+starts, so that their ready interpreters are made, and waited for, before
+they take a job; ``GPULAYER_PRELOAD`` is left as it is (default: torch and
+numpy). Each job's record must say the start it was measured as (``warm``,
+or ``cold: <why>``), or the benchmark stops.
+
+Bare, direct, warm and torchrun take turns, ``--repeat`` runs each (the
+order rotated every round), after ``--warmup`` unmeasured runs each; medians
+are reported (min-to-max rows: median of each run's minimum to median of its
+maximum), and each run's figures are printed as it ends, so the spread shows.
 The figures compared are ratios from the same run: direct's total over
-torchrun's (target at most 0.65) and direct's launcher start-up (target at
-most 0.1 s).
+torchrun's (target at most 0.65), direct's launcher start-up (target at most
+0.1 s), warm's total over direct's (target at most 0.15) and warm's launcher
+start-up (target at most 0.05 s).
+
+Memory: each rank's RSS and USS as it ends (a warm rank's USS is what it
+adds to its zygote's memory, which it shares; a cold rank's RSS is what it
+costs on its own), and each zygote's RSS and USS, read from /proc after the
+runs (the zygotes are found among the worker processes' children by
+``zygote.py`` in their command line).
 
 Modes:
 
@@ -80,17 +99,24 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 from harness import exit_on_sigterm
 
 import gpulayer
+from gpulayer.jobs import MARKS
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
-LAUNCHERS = ("direct", "torchrun")
+# Each kind of job: its launcher, and whether it may start warm.
+JOBS = {"direct": ("direct", False), "warm": ("direct", True), "torchrun": ("torchrun", True)}
+KINDS = ("bare", *JOBS)
 NODES, PER_NODE = 2, 2
 JOB_TIMEOUT_S = 300.0
 TARGET_RATIO = 0.65  # direct's total over torchrun's, at most
 TARGET_DIRECT_STARTUP_S = 0.1
+TARGET_WARM_RATIO = 0.15  # warm's total over cold direct's, at most
+TARGET_WARM_STARTUP_S = 0.05
+MIB = 1 << 20
 
 RANK_SCRIPT = """\
 import time
@@ -115,8 +141,18 @@ dist.all_reduce(value)  # the group works, and every connection is made
 pg = time.time()
 ok = value.item() == dist.get_world_size()
 dist.destroy_process_group()
+memory = {}
+try:  # Linux: what this rank holds, and what of it is its own (not shared)
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("Rss", "Private_Clean", "Private_Dirty"):
+                memory[name] = int(rest.split()[0]) * 1024
+    memory = {"rss": memory["Rss"], "uss": memory["Private_Clean"] + memory["Private_Dirty"]}
+except (OSError, KeyError):
+    memory = {}
 report = {"bench": 1, "rank": int(os.environ["RANK"]), "start": start, "torch0": torch0,
-          "torch1": torch1, "pg": pg, "ok": ok}
+          "torch1": torch1, "pg": pg, "ok": ok, **memory}
 report["end"] = time.time()  # the last thing before the interpreter exits
 print(json.dumps(report), flush=True)
 """
@@ -171,9 +207,10 @@ def bare_once(script: Path, env: dict[str, str], backend: str) -> dict[str, Any]
 
 
 def run_job(
-    client: gpulayer.Client, script: Path, launcher: str, env: dict[str, str], gpus: int
+    client: gpulayer.Client, script: Path, kind: str, env: dict[str, str], gpus: int
 ) -> dict[str, Any]:
     """Submit the 2 x 2 job, wait for it, and split its time into stages (seconds)."""
+    launcher, warm = JOBS[kind]
     t_submit = time.time()
     job = client.submit(
         str(script),
@@ -183,22 +220,31 @@ def run_job(
         env=env,
         gpus=gpus,
         timeout=JOB_TIMEOUT_S,
+        warm=warm,
     )
     state = job.wait(timeout=JOB_TIMEOUT_S + 30)
     t_seen = time.time()
     if state != "succeeded":
-        raise RuntimeError(f"{launcher} job {job.id} {state}: {job.info.reason}\n{job.logs()}")
+        raise RuntimeError(f"{kind} job {job.id} {state}: {job.info.reason}\n{job.logs()}")
     info = job.refresh()
+    # A figure labelled warm must be one: every rank forked from a ready interpreter.
+    if (info.start == "warm") != (kind == "warm"):
+        raise RuntimeError(
+            f"{kind} job {job.id} started {info.start!r}, not "
+            f"{'warm' if kind == 'warm' else 'cold'}: its figures would be mislabelled"
+        )
     ranks: dict[int, dict[str, Any]] = {}
     for line in job.stream_logs(follow=False):
         if line.text.startswith('{"bench"'):
             report = json.loads(line.text)
             ranks[report["rank"]] = report
     if sorted(ranks) != list(range(NODES * PER_NODE)) or not all(r["ok"] for r in ranks.values()):
-        raise RuntimeError(f"{launcher} job {job.id}: ranks reported {ranks}\n{job.logs()}")
+        raise RuntimeError(f"{kind} job {job.id}: ranks reported {ranks}\n{job.logs()}")
     return stages(list(ranks.values()), info.marks, t_submit, t_seen) | {
         "job": job.id,
+        "kind": kind,
         "launcher": launcher,
+        "start": info.start,
         "workers": sorted({t.worker for t in info.tasks}),
     }
 
@@ -219,7 +265,10 @@ def stages(
         "script": last - first,
         "launcher_shutdown": marks["exited"] - last,
         "total": t_seen - t_submit,
-        "marks": {k: v - t_submit for k, v in marks.items()},
+        # the time marks, seconds after the submit; the others (the task's
+        # CPU seconds and peak memory, where a cgroup measured them) as they are
+        "marks": {k: v - t_submit for k, v in marks.items() if k in MARKS},
+        "usage": {k: v for k, v in marks.items() if k not in MARKS},
         # each rank's timestamps, seconds after the submit
         "ranks": {
             r["rank"]: {k: r[k] - t_submit for k in ("start", "torch0", "torch1", "pg", "end")}
@@ -229,6 +278,10 @@ def stages(
     if "finished" in marks:
         out["finish"] = marks["finished"] - marks["exited"]
         out["completion"] = t_seen - marks["finished"]
+    for key in ("rss", "uss"):  # MiB, min to max across the ranks
+        if all(key in r for r in ranks):
+            values = [r[key] / MIB for r in ranks]
+            out[f"{key}_mib"] = [min(values), max(values)]
     return out
 
 
@@ -241,14 +294,15 @@ def measure(
     backend: str,
     gpus: int,
 ) -> dict[str, list[dict[str, Any]]]:
-    """Bare ranks, direct and torchrun jobs in turn (the order rotated each round)."""
-    kinds = ("bare", *LAUNCHERS)
-    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+    """Bare ranks, cold direct, warm direct and torchrun jobs in turn (the
+    order rotated each round)."""
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
     with tempfile.TemporaryDirectory(prefix="gpulayer-dist-bench-") as src:
         script = Path(src) / "rank.py"  # alone in its folder: a tiny bundle
         script.write_text(RANK_SCRIPT)
         for i in range(warmup + repeat):
-            for kind in kinds[i % 3 :] + kinds[: i % 3]:
+            turn = i % len(KINDS)
+            for kind in KINDS[turn:] + KINDS[:turn]:
                 if kind == "bare":
                     # On loopback in this namespace: without the cluster's env.
                     run = bare_once(script, {"BENCH_BACKEND": backend}, backend)
@@ -276,7 +330,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key, value in runs[0].items():
         if isinstance(value, float):
             out[key] = statistics.median(r[key] for r in runs)
-        elif key in ("import_torch", "pg_init"):
+        elif key in ("import_torch", "pg_init", "rss_mib", "uss_mib"):
             out[key] = [
                 statistics.median(r[key][0] for r in runs),
                 statistics.median(r[key][1] for r in runs),
@@ -297,69 +351,153 @@ ROWS = [
 ]
 
 
-def fmt(value: float | list[float] | None) -> str:
+MEMORY_ROWS = [
+    ("rss_mib", "rank RSS as it ends, MiB"),
+    ("uss_mib", "rank USS (its own pages), MiB"),
+]
+
+
+def fmt(value: float | list[float] | None, digits: int = 2) -> str:
     if value is None:
         return "-"
     if isinstance(value, list):
-        return f"{value[0]:.2f} to {value[1]:.2f}"
+        return f"{value[0]:.{digits}f} to {value[1]:.{digits}f}"
     return f"{value:.3f}"
 
 
-def print_table(summary: dict[str, dict[str, Any]], backend: str) -> dict[str, Any]:
-    bare, direct, torchrun = summary["bare"], summary["direct"], summary["torchrun"]
+def met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def print_table(
+    summary: dict[str, dict[str, Any]], backend: str, zygotes: list[dict[str, Any]]
+) -> dict[str, Any]:
+    columns = [summary[kind] for kind in KINDS]
+    direct, warm, torchrun = summary["direct"], summary["warm"], summary["torchrun"]
     width = max(len(label) for _, label in ROWS) + len(backend) + 3
-    print(f"{'stage (seconds, median)':<{width}}  {'bare':>12}  {'direct':>12}  {'torchrun':>12}")
+    header = "  ".join(f"{kind:>12}" for kind in KINDS)
+    print(f"{'stage (seconds, median)':<{width}}  {header}")
     for key, label in ROWS:
         label = label.replace("process-group init", f"process-group init ({backend})")
-        cells = "  ".join(f"{fmt(column.get(key)):>12}" for column in (bare, direct, torchrun))
+        cells = "  ".join(f"{fmt(column.get(key)):>12}" for column in columns)
+        print(f"{label:<{width}}  {cells}")
+    for key, label in MEMORY_ROWS:
+        cells = "  ".join(f"{fmt(column.get(key), 0):>12}" for column in columns)
         print(f"{label:<{width}}  {cells}")
     ratio = direct["total"] / torchrun["total"]
     startup = direct["launcher_startup"]
+    warm_ratio = warm["total"] / direct["total"]
+    warm_startup = warm["launcher_startup"]
     checks = {
         "ratio": ratio,
         "ratio_ok": ratio <= TARGET_RATIO,
         "direct_startup_s": startup,
         "direct_startup_ok": startup <= TARGET_DIRECT_STARTUP_S,
-        "direct_over_bare": direct["total"] / bare["total"],
+        "direct_over_bare": direct["total"] / summary["bare"]["total"],
+        "warm_ratio": warm_ratio,
+        "warm_ratio_ok": warm_ratio <= TARGET_WARM_RATIO,
+        "warm_startup_s": warm_startup,
+        "warm_startup_ok": warm_startup <= TARGET_WARM_STARTUP_S,
+        "warm_over_torchrun": warm["total"] / torchrun["total"],
+        "zygote_rss_mib": [z["rss_mib"] for z in zygotes],
+        "warm_rank_uss_mib": warm.get("uss_mib"),
+        "cold_rank_rss_mib": direct.get("rss_mib"),
     }
     print(
         f"total, direct / torchrun: {ratio:.3f} "
-        f"(target <= {TARGET_RATIO}: {'met' if checks['ratio_ok'] else 'NOT met'}); "
+        f"(target <= {TARGET_RATIO}: {met(checks['ratio_ok'])}); "
         f"direct / bare: {checks['direct_over_bare']:.3f}"
     )
     print(
         f"direct launcher start-up: {startup:.3f} s "
-        f"(target <= {TARGET_DIRECT_STARTUP_S} s: "
-        f"{'met' if checks['direct_startup_ok'] else 'NOT met'})"
+        f"(target <= {TARGET_DIRECT_STARTUP_S} s: {met(checks['direct_startup_ok'])})"
     )
+    print(
+        f"total, warm / direct: {warm_ratio:.3f} "
+        f"(target <= {TARGET_WARM_RATIO}: {met(checks['warm_ratio_ok'])}); "
+        f"warm / torchrun: {checks['warm_over_torchrun']:.3f}"
+    )
+    print(
+        f"warm launcher start-up: {warm_startup:.3f} s "
+        f"(target <= {TARGET_WARM_STARTUP_S} s: {met(checks['warm_startup_ok'])})"
+    )
+    if zygotes:
+        print(
+            f"ready interpreters: {len(zygotes)}, RSS "
+            + ", ".join(f"{z['rss_mib']:.0f}" for z in zygotes)
+            + " MiB (their spare children's USS "
+            + ", ".join(f"{z['spare_uss_mib']:.0f}" for z in zygotes)
+            + " MiB); a warm rank adds its USS, "
+            + fmt(warm.get("uss_mib"), 0)
+            + " MiB, where a cold rank takes its RSS, "
+            + fmt(direct.get("rss_mib"), 0)
+            + " MiB"
+        )
+    else:
+        print("ready interpreters: none found among the workers' processes")
     return checks
+
+
+def zygote_memory(roots: list[int]) -> list[dict[str, Any]]:
+    """The memory (MiB) of each ready interpreter under the processes
+    ``roots`` (the benchmark itself when the workers are embedded, else the
+    worker processes): a process running ``zygote.py`` whose parent does not.
+    Its children that run ``zygote.py`` too are the spares it forks ahead
+    (to answer the next task at once); they share its pages, so each is
+    counted by its USS, and the zygote by its RSS (its own USS would leave
+    out what it shares with its spare)."""
+
+    def is_zygote(proc: psutil.Process) -> bool:
+        with contextlib.suppress(psutil.Error):
+            return any(part.endswith("zygote.py") for part in proc.cmdline())
+        return False
+
+    found = []
+    for root in roots:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for proc in psutil.Process(root).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    parent = proc.parent()
+                    if not is_zygote(proc) or (parent is not None and is_zygote(parent)):
+                        continue
+                    spares = [c for c in proc.children() if is_zygote(c)]
+                    found.append(
+                        {
+                            "pid": proc.pid,
+                            "omp_num_threads": proc.environ().get("OMP_NUM_THREADS"),
+                            "rss_mib": proc.memory_info().rss / MIB,
+                            "spares": len(spares),
+                            "spare_uss_mib": sum(c.memory_full_info().uss for c in spares) / MIB,
+                        }
+                    )
+    return found
 
 
 # ---- where the workers are ----
 
 
 @contextlib.contextmanager
-def embedded() -> Iterator[tuple[gpulayer.Client, dict[str, str]]]:
+def embedded() -> Iterator[tuple[gpulayer.Client, dict[str, str], list[int]]]:
     with (
         tempfile.TemporaryDirectory(prefix="gpulayer-bench-") as home,
         gpulayer.Client(home=home) as client,
     ):
         client.ensure_local_workers(NODES)
-        yield client, {}
+        yield client, {}, [os.getpid()]
 
 
 @contextlib.contextmanager
-def loopback_server() -> Iterator[tuple[gpulayer.Client, dict[str, str]]]:
+def loopback_server() -> Iterator[tuple[gpulayer.Client, dict[str, str], list[int]]]:
     sys.path.insert(0, str(HERE))
     from dispatch import LoopbackServer  # the server and worker processes dispatch.py uses
 
     with LoopbackServer() as srv, srv.client() as client:
         srv.start_workers(NODES)
-        yield client, {}
+        yield client, {}, [w.pid for w in srv.workers]
 
 
 @contextlib.contextmanager
-def netns() -> Iterator[tuple[gpulayer.Client, dict[str, str]]]:
+def netns() -> Iterator[tuple[gpulayer.Client, dict[str, str], list[int]]]:
     sys.path.insert(0, str(TESTS))
     from netns_cluster import NetnsCluster, netns_unavailable
 
@@ -371,7 +509,7 @@ def netns() -> Iterator[tuple[gpulayer.Client, dict[str, str]]]:
             "or use --server for real processes on loopback."
         )
     with NetnsCluster(workers=NODES, slots=1) as cluster, cluster.client() as client:
-        yield client, {}
+        yield client, {}, [w.pid for w in cluster.workers]
 
 
 def choose_backend(requested: str, mode: str) -> tuple[str, int]:
@@ -390,6 +528,16 @@ def choose_backend(requested: str, mode: str) -> tuple[str, int]:
     if enough and mode == "embedded":
         return "nccl", PER_NODE
     return "gloo", 0
+
+
+def torch_version() -> str:
+    """Without importing torch here (seconds): from its installed metadata."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def main() -> None:
@@ -420,17 +568,24 @@ def main() -> None:
     name = "distributed_startup.json" if mode == "embedded" else f"distributed_startup-{mode}.json"
     args.json = args.json or HERE / "results" / name
     exit_on_sigterm()
+    # Read by every worker this process starts (embedded, or its processes,
+    # which get this environment): make the ready interpreters now, for the
+    # worker's settings and its direct-launcher ranks', and wait for them.
+    os.environ["GPULAYER_WARM"] = "ready"
+    preload = os.environ.get("GPULAYER_PRELOAD", "torch,numpy")
 
     machine = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    machine += f", torch {torch_version()}"
     print(f"machine: {machine}", file=sys.stderr)
     backend, gpus = choose_backend(args.backend, mode)
     cluster = {"embedded": embedded, "server": loopback_server, "netns": netns}[mode]
     print(
         f"mode: {mode}; {NODES} x {PER_NODE} ranks, {backend}; "
-        f"{args.warmup} warm-up + {args.repeat} measured runs each of bare, direct, torchrun",
+        f"{args.warmup} warm-up + {args.repeat} measured runs each of {', '.join(KINDS)}; "
+        f"ready interpreters preload {preload or 'nothing'!r}",
         file=sys.stderr,
     )
-    with cluster() as (client, env):
+    with cluster() as (client, env, roots):
         runs = measure(
             client,
             repeat=args.repeat,
@@ -439,9 +594,10 @@ def main() -> None:
             backend=backend,
             gpus=gpus,
         )
+        zygotes = zygote_memory(roots)
     summary = {launcher: summarize(r) for launcher, r in runs.items()}
     print(f"{mode} mode, {NODES} x {PER_NODE} {backend} job, median of {args.repeat}:")
-    checks = print_table(summary, backend)
+    checks = print_table(summary, backend, zygotes)
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
@@ -450,9 +606,11 @@ def main() -> None:
                 "machine": machine,
                 "mode": mode,
                 "backend": backend,
+                "preload": preload,
                 "args": vars(args) | {"json": str(args.json)},
                 "median": summary,
                 "checks": checks,
+                "zygotes": zygotes,
                 "runs": runs,
                 "when": time.strftime("%Y-%m-%d %H:%M:%S"),
             },

@@ -12,6 +12,8 @@ import gpulayer
 from gpulayer.service import ControlPlane
 from gpulayer.store.sqlite import SqliteStore
 
+from helpers import STARTS, Start
+
 
 @pytest.fixture(autouse=True)
 def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -21,12 +23,42 @@ def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("GPULAYER_HOME", str(home))
     monkeypatch.setenv("GPULAYER_GPU_LOCKS", str(tmp_path / "gpu-locks"))
     monkeypatch.delenv("GPULAYER_SERVER", raising=False)
+    # Warm starts stay on (the default), but the zygotes preload nothing
+    # unless a test says otherwise: each worker a test starts would else
+    # import torch in its zygote, seconds of CPU on a 2-core machine, for
+    # jobs that mostly print. Tests of warm starts with torch set it.
+    monkeypatch.setenv("GPULAYER_PRELOAD", "")
+    monkeypatch.delenv("GPULAYER_WARM", raising=False)
     return home
 
 
 @pytest.fixture
 def home(_isolated_home: Path) -> Path:
     return _isolated_home
+
+
+def _start(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, preload: str) -> Start:
+    # Read as each worker starts: a test names this fixture before its
+    # client (pytest sets up arguments in order, after ``home``); a client
+    # made first would start jobs otherwise, which Start.check catches.
+    monkeypatch.setenv("GPULAYER_WARM", STARTS[request.param])
+    monkeypatch.setenv("GPULAYER_PRELOAD", preload)
+    return Start(warm=request.param == "warm")
+
+
+@pytest.fixture(params=list(STARTS))
+def start(request: pytest.FixtureRequest, home: Path, monkeypatch: pytest.MonkeyPatch) -> Start:
+    """The test runs twice: every job cold, and from zygotes ready before the
+    workers serve, which preload nothing (helpers.STARTS)."""
+    return _start(request, monkeypatch, "")
+
+
+@pytest.fixture(params=list(STARTS))
+def torch_start(
+    request: pytest.FixtureRequest, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> Start:
+    """As ``start``, for jobs that import torch: the zygotes preload it."""
+    return _start(request, monkeypatch, "torch,numpy")
 
 
 @pytest.fixture

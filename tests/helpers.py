@@ -7,6 +7,7 @@ import os
 import sqlite3
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import gpulayer
@@ -46,6 +47,46 @@ def run_2x2_allreduce(
     }
     assert said == {r: f"rank {r}/4 sum 10" for r in range(4)}
     return job
+
+
+# Each test of the job, distributed and Trainer suites runs twice: with every
+# job cold (GPULAYER_WARM=0) and with the workers' zygotes made and waited
+# for before they serve (GPULAYER_WARM=ready), so that a script job's first
+# run is already warm (issue 19, point 6). See the ``start`` fixtures.
+STARTS = {"cold": "0", "warm": "ready"}
+# What a job's record says when its worker starts every job cold.
+COLD_WORKER = "cold: the worker starts jobs cold (--no-warm, or no fork server on this system)"
+
+
+@dataclass(frozen=True)
+class Start:
+    """Which start a parity test's workers give (the ``start`` fixture)."""
+
+    warm: bool
+
+    def check(self, job: gpulayer.Job, *, cold_because: str | None = None) -> None:
+        """That ``job`` started as these workers start jobs: warm, or cold
+        (GPULAYER_WARM=0). ``cold_because``: a job that starts cold even from
+        workers that start jobs warm (a command job, torchrun, settings no
+        zygote was made for), and the words its record must give for it."""
+        start = job.refresh().start
+        if cold_because is None:
+            expected = "warm" if self.warm else COLD_WORKER
+            assert start == expected, f"{job.id}: start {start!r}, expected {expected!r}"
+        else:
+            assert start is not None and start.startswith("cold: "), f"{job.id}: {start!r}"
+            if self.warm or start != COLD_WORKER:
+                assert cold_because in start, f"{job.id}: {start!r} does not say {cold_because!r}"
+
+
+def script_file(tmp_path: Path, code: str, name: str = "job.py") -> Path:
+    """``code`` as a script of its own folder under ``tmp_path`` (a script's
+    folder is its job's bundle: tmp_path itself holds the test's home)."""
+    folder = tmp_path / f"script-{Path(name).stem}"
+    folder.mkdir(exist_ok=True)
+    script = folder / name
+    script.write_text(code)
+    return script
 
 
 def pids_alive(*pids: int) -> list[int]:

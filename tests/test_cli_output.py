@@ -43,6 +43,7 @@ JOB_KEYS = {
     "usage",
     "outputs",
     "tasks",
+    "start",
 }
 SPEC_KEYS = {
     "command",

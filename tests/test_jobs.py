@@ -1,4 +1,10 @@
-"""The life of a job, end to end, with real worker threads and real processes."""
+"""The life of a job, end to end, with real worker threads and real processes.
+
+Every test runs twice (the ``start`` fixture): with every job cold, and with
+script jobs forked from their worker's zygote, which each test that runs
+one checks in its record. The jobs are scripts where they can be, so that
+they start warm; a command job always starts cold.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,11 @@ import pytest
 import gpulayer
 from gpulayer.errors import InvalidStateError, SpecError
 
-from helpers import PY, pids_alive, refuse_commits
+from helpers import PY, Start, pids_alive, refuse_commits, script_file
+
+pytestmark = pytest.mark.usefixtures("start")  # set up before any client
+# Why a command job starts cold even where the workers start jobs warm.
+COMMAND = "a command job, not a Python script"
 
 
 def wait_for_line(job: gpulayer.Job, prefix: str) -> str:
@@ -24,7 +34,7 @@ def wait_for_line(job: gpulayer.Job, prefix: str) -> str:
 
 
 def test_script_job_with_input_and_output(
-    client: gpulayer.Client, project: Path, tmp_path: Path
+    start: Start, client: gpulayer.Client, project: Path, tmp_path: Path
 ) -> None:
     data = tmp_path / "data.txt"
     data.write_text("42 apples")
@@ -43,54 +53,68 @@ def test_script_job_with_input_and_output(
         "data": "42 apples",
     }
     assert "hello a b" in (out / "logs.txt").read_text()
+    start.check(job)
 
 
-def test_inputs_are_reachable_under_their_names(client: gpulayer.Client, tmp_path: Path) -> None:
+def test_inputs_are_reachable_under_their_names(
+    start: Start, client: gpulayer.Client, tmp_path: Path
+) -> None:
     folder = tmp_path / "dataset"
     (folder / "sub").mkdir(parents=True)
     (folder / "sub" / "x.csv").write_text("1,2\n")
     code = "import os; print(open('dataset/sub/x.csv').read().strip(), os.listdir(os.environ['GPULAYER_INPUTS']))"
-    job = client.submit(command=[PY, "-c", code], inputs={"dataset": folder})
+    job = client.submit(script_file(tmp_path, code), inputs={"dataset": folder})
     assert job.wait(timeout=60) == "succeeded", job.info.reason
     assert "1,2 ['dataset']" in job.logs()
+    start.check(job)
 
 
-def test_failure_carries_exit_code_and_stderr_tail(client: gpulayer.Client) -> None:
+def test_failure_carries_exit_code_and_stderr_tail(
+    start: Start, client: gpulayer.Client, tmp_path: Path
+) -> None:
     code = "import sys; print('working'); print('boom: bad things', file=sys.stderr); sys.exit(3)"
-    job = client.submit(command=[PY, "-c", code])
+    job = client.submit(script_file(tmp_path, code))
     assert job.wait(timeout=60) == "failed"
+    start.check(job)
     assert job.info == client.transport.get_job(job.id)
     assert job.exit_code == 3
     assert job.info.reason is not None
     assert "exited with code 3" in job.info.reason and "boom: bad things" in job.info.reason
 
 
-def test_a_missing_program_fails_with_the_reason(client: gpulayer.Client) -> None:
+def test_a_missing_program_fails_with_the_reason(start: Start, client: gpulayer.Client) -> None:
     job = client.submit(command=["/nonexistent/program"])
     assert job.wait(timeout=60) == "failed"
     assert "could not run" in (job.info.reason or "") and "nonexistent" in (job.info.reason or "")
+    start.check(job, cold_because=COMMAND)
 
 
-def test_missing_declared_output_is_reported(client: gpulayer.Client) -> None:
-    job = client.submit(command=[PY, "-c", "pass"], outputs=["model.pt"])
+def test_missing_declared_output_is_reported(
+    start: Start, client: gpulayer.Client, tmp_path: Path
+) -> None:
+    job = client.submit(script_file(tmp_path, "pass\n"), outputs=["model.pt"])
     assert job.wait(timeout=60) == "succeeded"
     assert "declared outputs not found: model.pt" in (job.info.reason or "")
+    start.check(job)
 
 
-def test_timeout_ends_the_whole_tree(client: gpulayer.Client) -> None:
+def test_timeout_ends_the_whole_tree(start: Start, client: gpulayer.Client, tmp_path: Path) -> None:
     code = (
         "import subprocess, sys, time\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         "print('pids', child.pid, flush=True)\n"
         "time.sleep(60)\n"
     )
-    job = client.submit(command=[PY, "-c", code], timeout=1.0)
+    job = client.submit(script_file(tmp_path, code), timeout=1.0)
     grandchild = int(wait_for_line(job, "pids").split()[1])
     assert job.wait(timeout=30) == "timed_out"
     assert pids_alive(grandchild) == []
+    start.check(job)
 
 
-def test_cancel_kills_a_grandchild_that_ignores_sigterm(client: gpulayer.Client) -> None:
+def test_cancel_kills_a_grandchild_that_ignores_sigterm(
+    start: Start, client: gpulayer.Client, tmp_path: Path
+) -> None:
     code = (
         "import subprocess, sys, time\n"
         "grand = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(\"ok\", flush=True); time.sleep(60)'\n"
@@ -99,11 +123,12 @@ def test_cancel_kills_a_grandchild_that_ignores_sigterm(client: gpulayer.Client)
         "print('pids', child.pid, flush=True)\n"
         "time.sleep(60)\n"
     )
-    job = client.submit(command=[PY, "-c", code])
+    job = client.submit(script_file(tmp_path, code))
     grandchild = int(wait_for_line(job, "pids").split()[1])
     assert job.cancel() in ("running", "cancelled")
     assert job.wait(timeout=30) == "cancelled"
     assert pids_alive(grandchild) == []
+    start.check(job)
     with pytest.raises(InvalidStateError, match="already cancelled"):
         job.cancel()
 
@@ -128,45 +153,50 @@ def test_a_job_too_big_for_any_worker_waits_and_says_why(client: gpulayer.Client
     job.cancel()
 
 
-def test_burst_on_several_workers_every_outcome_right(home: Path) -> None:
+def test_burst_on_several_workers_every_outcome_right(
+    start: Start, home: Path, tmp_path: Path
+) -> None:
+    code = "import sys\ni = int(sys.argv[1])\nprint(i)\nraise SystemExit(i % 3)\n"
+    script = script_file(tmp_path, code)
     with gpulayer.Client(home=home) as client:
         client.ensure_local_workers(4)
-        jobs = [
-            client.submit(command=[PY, "-c", f"print({i}); raise SystemExit({i % 3})"])
-            for i in range(40)
-        ]
+        jobs = [client.submit(script, [str(i)]) for i in range(40)]
         for i, job in enumerate(jobs):
             assert job.wait(timeout=120) == ("succeeded" if i % 3 == 0 else "failed")
             assert job.exit_code == i % 3
             assert job.logs() == f"{i}\n"
             assert job.info.attempt == 1
+            start.check(job)
         assert len({j.info.worker for j in jobs}) > 1, "the burst should spread over workers"
 
 
-def test_priority_runs_first_when_capacity_frees(home: Path, tmp_path: Path) -> None:
+def test_priority_runs_first_when_capacity_frees(start: Start, home: Path, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     os.mkfifo(gate)
+    quick = script_file(tmp_path, "pass\n")
     with gpulayer.Client(home=home) as client:
         client.ensure_local_workers(1)
         blocker = client.submit(
-            command=[PY, "-c", f"print('in', flush=True); open({str(gate)!r}).read()"]
+            script_file(tmp_path, f"print('in', flush=True); open({str(gate)!r}).read()\n", "b.py")
         )
         wait_for_line(blocker, "in")
-        low = client.submit(command=[PY, "-c", "pass"], priority=0)
-        high = client.submit(command=[PY, "-c", "pass"], priority=10)
+        low = client.submit(quick, priority=0)
+        high = client.submit(quick, priority=10)
         with open(gate, "w") as f:
             f.write("go")
         for job in (blocker, low, high):
             assert job.wait(timeout=60) == "succeeded"
+            start.check(job)
         assert high.info.marks["started"] < low.info.marks["started"]
 
 
-def test_retry_within_budget(client: gpulayer.Client, tmp_path: Path) -> None:
+def test_retry_within_budget(start: Start, client: gpulayer.Client, tmp_path: Path) -> None:
     marker = tmp_path / "tried"
     code = f"import os, sys; p={str(marker)!r}\nif not os.path.exists(p): open(p, 'w').close(); sys.exit(1)"
-    job = client.submit(command=[PY, "-c", code], max_retries=1)
+    job = client.submit(script_file(tmp_path, code), max_retries=1)
     assert job.wait(timeout=60) == "succeeded"
     assert job.info.attempt == 2
+    start.check(job)  # the second attempt's start
 
 
 def test_bad_spec_stores_nothing(
@@ -186,9 +216,10 @@ def test_bad_spec_stores_nothing(
     assert not blobs.exists() or not any(p.is_file() for p in blobs.rglob("*"))
 
 
-def test_timings_cover_every_stage(client: gpulayer.Client) -> None:
-    job = client.submit(command=[PY, "-c", "pass"])
+def test_timings_cover_every_stage(start: Start, client: gpulayer.Client, tmp_path: Path) -> None:
+    job = client.submit(script_file(tmp_path, "pass\n"))
     job.wait(timeout=60)
+    start.check(job)
     timings = job.timings
     assert set(timings) == {"queue", "dispatch", "prepare", "launch", "run", "finish", "total"}
     assert all(v >= 0 for v in timings.values())
@@ -196,7 +227,7 @@ def test_timings_cover_every_stage(client: gpulayer.Client) -> None:
     assert parts == pytest.approx(timings["total"], abs=1e-3)
 
 
-def test_gpu_slots_are_isolated(home: Path) -> None:
+def test_gpu_slots_are_isolated(start: Start, home: Path, tmp_path: Path) -> None:
     from gpulayer.worker.gpus import Gpu
     from gpulayer.worker.worker import Worker
 
@@ -209,10 +240,21 @@ def test_gpu_slots_are_isolated(home: Path) -> None:
         )
         worker.start()
         try:
-            show = "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
-            two = client.submit(command=[PY, "-c", show], gpus=2)
-            none = client.submit(command=[PY, "-c", show], gpus=0)
+            # At the C level too, where a GPU runtime reads it.
+            show = (
+                "import ctypes, os\n"
+                "libc = ctypes.CDLL(None)\n"
+                "libc.getenv.restype = ctypes.c_char_p\n"
+                "seen = os.environ.get('CUDA_VISIBLE_DEVICES')\n"
+                "assert (libc.getenv(b'CUDA_VISIBLE_DEVICES') or b'').decode() == (seen or '')\n"
+                "print(repr(seen))\n"
+            )
+            script = script_file(tmp_path, show)
+            two = client.submit(script, gpus=2)
+            none = client.submit(script, gpus=0)
             assert two.wait(timeout=60) == "succeeded" and none.wait(timeout=60) == "succeeded"
+            start.check(two)
+            start.check(none)
             seen = two.logs().strip().strip("'").split(",")
             assert len(seen) == 2 and set(seen) <= {"0", "1", "2", "3"}
             assert seen == [str(g) for g in two.info.gpus]
@@ -240,17 +282,20 @@ def test_embedded_workers_leave_a_gpu_another_process_offers(
         elsewhere.release()
 
 
-def test_a_long_line_is_cut_and_output_is_complete(client: gpulayer.Client) -> None:
+def test_a_long_line_is_cut_and_output_is_complete(
+    start: Start, client: gpulayer.Client, tmp_path: Path
+) -> None:
     code = "print('x' * 200_000); [print(i) for i in range(20_000)]"
-    job = client.submit(command=[PY, "-c", code])
+    job = client.submit(script_file(tmp_path, code))
     assert job.wait(timeout=60) == "succeeded"
+    start.check(job)
     lines = job.logs().splitlines()
     assert lines[0].startswith("x" * 1000) and lines[0].endswith("cut at 65536 bytes]")
     assert lines[1:] == [str(i) for i in range(20_000)]
 
 
-def test_jobs_and_lookup_by_prefix(client: gpulayer.Client) -> None:
-    job = client.submit(command=[PY, "-c", "pass"], name="named", labels={"k": "v"})
+def test_jobs_and_lookup_by_prefix(client: gpulayer.Client, tmp_path: Path) -> None:
+    job = client.submit(script_file(tmp_path, "pass\n"), name="named", labels={"k": "v"})
     job.wait(timeout=60)
     assert client.job(job.id[:10]).id == job.id
     assert [j.id for j in client.jobs(state="succeeded")] == [job.id]
@@ -263,17 +308,22 @@ def test_workers_are_listed(client: gpulayer.Client) -> None:
     assert len(workers) == 2 and all(len(w.slot_gpus) == 1 for w in workers)
 
 
-def test_wait_wakes_promptly(client: gpulayer.Client) -> None:
+def test_wait_wakes_promptly(start: Start, client: gpulayer.Client, tmp_path: Path) -> None:
     # Not a benchmark: a guard that completion wakes the waiter (no polling
     # interval hides in the path). A 1 s bound is 100x the expected time.
-    job = client.submit(command=[PY, "-c", "pass"])
+    job = client.submit(script_file(tmp_path, "pass\n"))
     job.wait(timeout=60)
+    start.check(job)
     assert job.info.timings()["finish"] < 1.0
     assert time.time() - job.info.marks["finished"] < 60
 
 
 def test_large_uploads_show_progress_and_large_bundles_warn(
-    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    start: Start,
+    home: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     from contextlib import contextmanager
 
@@ -300,20 +350,24 @@ def test_large_uploads_show_progress_and_large_bundles_warn(
             job = client.submit(script_dir / "run.py", inputs={"big": big})
         assert job.wait(timeout=60) == "succeeded"
         assert job.logs().strip() == str(big.stat().st_size)
+        start.check(job)
     assert bars == [(big.stat().st_size, "storing input big.bin", big.stat().st_size)]
     assert any(
         "weights.bin" in r.message and ".gpulayerignore" in r.message for r in caplog.records
     )
 
 
-def test_downloaded_outputs_are_private_copies(client: gpulayer.Client, tmp_path: Path) -> None:
+def test_downloaded_outputs_are_private_copies(
+    start: Start, client: gpulayer.Client, tmp_path: Path
+) -> None:
     code = (
         "import os; os.makedirs('ckpt', exist_ok=True)\n"
         "open('ckpt/a.pt', 'wb').write(os.urandom(2 << 20)); open('ckpt/b.pt', 'wb').write(b'b')\n"
         "open('log.txt', 'w').write('x')\n"
     )
-    job = client.submit(command=[PY, "-c", code], outputs=["ckpt", "*.txt"])
+    job = client.submit(script_file(tmp_path, code), outputs=["ckpt", "*.txt"])
     assert job.wait(timeout=60) == "succeeded"
+    start.check(job)
     assert set(job.info.outputs) == {"ckpt", "log.txt"}
     out = job.download_outputs(tmp_path / "dl")
     big = out / "ckpt" / "a.pt"
@@ -324,33 +378,58 @@ def test_downloaded_outputs_are_private_copies(client: gpulayer.Client, tmp_path
     assert (again / "log.txt").read_text() == "x"
 
 
-def test_a_flood_of_output_is_kept_whole_and_in_order(client: gpulayer.Client) -> None:
+def test_a_flood_of_output_is_kept_whole_and_in_order(
+    start: Start, client: gpulayer.Client, tmp_path: Path
+) -> None:
     n = 300_000
     code = f"import sys\nfor i in range({n}): sys.stdout.write(f'{{i}}\\n')"
-    job = client.submit(command=[PY, "-c", code])
+    job = client.submit(script_file(tmp_path, code))
     assert job.wait(timeout=120) == "succeeded"
+    start.check(job)
     texts = [line.text for line in job.stream_logs(follow=False)]
     assert len(texts) == n and texts[0] == "0" and texts[-1] == str(n - 1)
     assert texts == [str(i) for i in range(n)]
 
 
 def test_a_write_the_store_refuses_delays_a_report_and_loses_nothing(
-    client: gpulayer.Client,
+    start: Start, client: gpulayer.Client, tmp_path: Path
 ) -> None:
     assert client._embedded is not None
     store = client._embedded.store
-    job = client.submit(command=[PY, "-c", "print('done')"])
+    job = client.submit(script_file(tmp_path, "print('done')\n"))
     refuse_commits(store)  # the next write fails
     assert job.wait(timeout=60) == "succeeded"  # its worker's report went again
     assert job.logs().strip() == "done"
+    start.check(job)
 
 
-def test_a_job_does_not_get_its_workers_token(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_job_does_not_get_its_workers_token(
+    start: Start, home: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """A worker's token (in its environment, as docs/server.md starts one) is
-    not its jobs': a job printing it would hand it to every reader of its logs."""
-    monkeypatch.setenv("GPULAYER_TOKEN", "glt_w_not-for-jobs")
+    not its jobs': a job printing it would hand it to every reader of its logs.
+    Nor is it in a warm job's memory, a copy of its zygote's."""
+    token = "glt_w_not-for-jobs"
+    monkeypatch.setenv("GPULAYER_TOKEN", token)
+    probe = (  # what the job's environment says, and what its process was started with
+        "import os\n"
+        "print('token=' + os.environ.get('GPULAYER_TOKEN', 'unset'))\n"
+        "print('environ', b'GPULAYER_TOKEN=' in open('/proc/self/environ', 'rb').read())\n"
+    )
     with gpulayer.Client(home=home) as client:
         client.ensure_local_workers(1)
-        job = client.submit(command=["sh", "-c", 'echo "token=${GPULAYER_TOKEN-unset}"'])
+        shell = client.submit(command=["sh", "-c", 'echo "token=${GPULAYER_TOKEN-unset}"'])
+        assert shell.wait(timeout=60) == "succeeded"
+        assert shell.logs() == "token=unset\n"
+        start.check(shell, cold_because=COMMAND)
+        job = client.submit(script_file(tmp_path, probe))
         assert job.wait(timeout=60) == "succeeded"
-        assert job.logs() == "token=unset\n"
+        assert job.logs() == "token=unset\nenviron False\n"
+        start.check(job)
+        zygotes = client._embedded.workers[0]._warm  # type: ignore[union-attr]
+        for zygote in [] if zygotes is None else zygotes.zygotes:
+            try:
+                with open(f"/proc/{zygote.proc.pid}/environ", "rb") as environ:
+                    assert token.encode() not in environ.read()
+            except PermissionError:
+                continue  # not dumpable: closed to its own user too (but to root)

@@ -297,6 +297,7 @@ class Client:
         name: str | None = None,
         labels: Mapping[str, str] | None = None,
         retry_delay: float | None = None,
+        warm: bool = True,
     ) -> Job:
         """Validate, store and place a job. Nothing is stored if the spec is bad.
 
@@ -305,6 +306,8 @@ class Client:
         ``retry_delay``: seconds a retry waits (``max_retries``), doubled at
         each one (default: ``defaults.RETRY_DELAY_S``, doubling up to
         ``defaults.RETRY_DELAY_MAX_S``; 0 retries at once).
+        ``warm=False``: the script starts in a new interpreter, never forked
+        from the worker's ready one (docs/performance.md, "Warm start").
         """
         fields: dict[str, Any] = {
             "args": [str(a) for a in args] if not isinstance(args, str) else args,
@@ -323,6 +326,8 @@ class Client:
         }
         if retry_delay is not None:  # left out otherwise: a server before it refuses the field
             fields["retry_delay"] = retry_delay
+        if not warm:  # as retry_delay: only when asked for
+            fields["warm"] = False
         if command is not None:
             fields["command"] = (
                 [str(c) for c in command] if not isinstance(command, str) else command

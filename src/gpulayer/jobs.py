@@ -4,6 +4,7 @@ rules that decide a job's next state.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 import msgspec
@@ -23,6 +24,13 @@ FINAL_STATES = frozenset({SUCCEEDED, FAILED, CANCELLED, TIMED_OUT, LOST})
 # Why a worker's running jobs were taken from it, when it left the control plane.
 WORKER_STOPPED = "its worker stopped"
 WORKER_DIED = "its worker process died"
+
+# How a task's processes started (``TaskStarted.start``, ``TaskResult.start``):
+# WARM when every one was forked from its worker's ready interpreter, else
+# "cold: <why in plain words>". The text is the worker's: it is kept cut to
+# START_MAX characters (see clip_start) and escaped where it is shown.
+WARM = "warm"
+START_MAX = 500
 
 # The moments in a job's life, in order; `timings` are the gaps between them.
 MARKS = ("submitted", "placed", "acquired", "prepared", "started", "exited", "finished")
@@ -48,6 +56,7 @@ class TaskInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     pid_created: float | None = None
     procs: list[tuple[int, float | None]] = []  # every rank's (pid, start time)
     port: int | None = None  # node 0's: the master port it reserved
+    start: str | None = None  # how its processes started: WARM or "cold: <why>"
     result: TaskResult | None = None  # how it ended, once it has (the job may run on)
 
 
@@ -82,6 +91,10 @@ class JobInfo(msgspec.Struct, kw_only=True):
     marks: dict[str, float] = {}
     outputs: dict[str, ArtifactRef] = {}
     tasks: list[TaskInfo] = []  # one per node, for distributed jobs
+    # How its current attempt's processes started: WARM, or "cold: <why>"
+    # (a job of several nodes: see job_start). None: not started yet, or
+    # its worker predates warm starts.
+    start: str | None = None
 
     def processes(self) -> set[tuple[int, float | None]]:
         """Every (pid, start time) recorded for its running processes."""
@@ -194,6 +207,8 @@ class TaskStarted(msgspec.Struct, kw_only=True):
     # A task of several processes (its ranks): each one's (pid, start time),
     # so that a successor of a crashed control plane can end them all.
     procs: list[tuple[int, float | None]] = []
+    # "warm": forked from the worker's ready interpreter; "cold: <why>".
+    start: str | None = None
 
 
 class TaskResult(msgspec.Struct, kw_only=True):
@@ -214,6 +229,31 @@ class TaskResult(msgspec.Struct, kw_only=True):
     # which the job's record keeps.
     cpu_s: float | None = None  # CPU seconds, user and system
     peak_memory: int | None = None  # bytes, page cache included
+    start: str | None = None  # as TaskStarted's; where given, it replaces that one
+
+
+def clip_start(start: str | None) -> str | None:
+    """A worker's ``start`` as kept: at most :data:`START_MAX` characters. A
+    worker, perhaps a hostile one, writes it; people read it in ``show``."""
+    if start is None or len(start) <= START_MAX:
+        return start
+    return start[: START_MAX - 3] + "..."
+
+
+def job_start(starts: Iterable[str | None]) -> str | None:
+    """A job's start from its tasks' (one per node, in node order): WARM if
+    every one's is, else the first cold one's text. None when none is cold
+    but one's is not known (not started yet, or a worker that does not say):
+    nothing then says the job was warm all through."""
+    unknown = False
+    seen = False
+    for start in starts:
+        seen = True
+        if start is None:
+            unknown = True
+        elif start != WARM:
+            return start
+    return WARM if seen and not unknown else None
 
 
 def next_state(

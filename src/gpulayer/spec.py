@@ -93,6 +93,9 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
     name: str | None = None
     labels: dict[str, str] = {}
+    # False: start cold, never forked from the worker's ready interpreter
+    # (see worker/warm.py). Left out of the JSON when True (omit_defaults).
+    warm: bool = True
 
     def __repr__(self) -> str:
         # Never a secret's value: not in a traceback, a log line or a test's diff.

@@ -334,6 +334,7 @@ def test_tokens_and_jobs_from_before_users_are_no_one_s_to_see(tmp_path: Path) -
     db = sqlite3.connect(path)  # back to schema 8, as an older GPUlayer left it
     db.execute("DROP INDEX jobs_by_user")
     db.execute("ALTER TABLE jobs DROP COLUMN user_name")
+    db.execute("ALTER TABLE jobs DROP COLUMN start")  # migration 11
     db.execute("ALTER TABLE tokens DROP COLUMN user_name")
     db.execute(
         "INSERT INTO tokens (digest, role, name, created) VALUES (?, 'user', 'old', 1.0)",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import tempfile
@@ -86,9 +87,12 @@ def place() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _worker(server: object, home: Path, *options: str, umask: int = -1) -> subprocess.Popen[str]:
+def _worker(
+    server: object, home: Path, *options: str, umask: int = -1, **extra_env: str
+) -> subprocess.Popen[str]:
     """A worker process as root, as the system's Python runs it; ``umask``:
-    the one it starts with (-1: this process's)."""
+    the one it starts with (-1: this process's); ``extra_env`` over its
+    environment."""
     from server.conftest import ServerProc, said
 
     assert isinstance(server, ServerProc)
@@ -99,6 +103,7 @@ def _worker(server: object, home: Path, *options: str, umask: int = -1) -> subpr
         "PYTHONPATH": _src_path(),
         "GPULAYER_TOKEN": server.admin,
         "GPULAYER_GPU_LOCKS": str(home / "gpu-locks"),
+        **extra_env,
     }
     proc = subprocess.Popen(
         [*argv, *options],
@@ -329,6 +334,56 @@ def test_a_script_job_run_as_nobody_writes_its_workspace_and_outputs(
         job = client.submit(project / "train.py", source=project, outputs=["out"])
         assert job.wait(timeout=120) == "succeeded", job.info.reason
         assert "out" in job.info.outputs
+
+
+_WHO = """\
+import ctypes, json, os, signal
+libc = ctypes.CDLL(None)
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+parent = dict(
+    line.split(":", 1) for line in open(f"/proc/{os.getppid()}/status").read().splitlines()
+)
+print(json.dumps({
+    "ids": [os.getuid(), os.geteuid(), os.getgid(), os.getegid(), sorted(os.getgroups())],
+    "caps": [status[k].strip() for k in ("CapInh", "CapPrm", "CapEff", "CapAmb")],
+    "dumpable": libc.prctl(3, 0, 0, 0, 0),  # PR_GET_DUMPABLE
+    "parent_uid": int(parent["Uid"].split()[1]),
+    "no_new_privs": status["NoNewPrivs"].strip(),
+}, sort_keys=True))
+"""
+
+
+def test_a_warm_job_run_as_nobody_is_nobody_as_a_cold_one_is(
+    server: object, place: Path, tmp_path: Path
+) -> None:
+    """A warm job is a fork of a zygote that runs as the job's user, never
+    root's: its ids, groups and (no) capabilities are a cold job's, and it
+    may be debugged by its user (dumpable)."""
+    from server.conftest import ServerProc
+
+    assert isinstance(server, ServerProc)
+    home = place / "worker-home-warm"
+    home.mkdir()
+    home.chmod(0o711)
+    _worker(server, home, "--run-as", "nobody", "--preload", "", GPULAYER_WARM="ready")
+    project = tmp_path / "who"
+    project.mkdir()
+    (project / "who.py").write_text(_WHO)
+    seen = {}
+    with server.client() as client:
+        for warm in (False, True):
+            job = client.submit(project / "who.py", source=project, warm=warm)
+            assert job.wait(timeout=120) == "succeeded", job.logs()
+            assert (job.info.start == "warm") is warm, job.info.start
+            seen[warm] = json.loads(job.logs())
+    nobody = pwd.getpwnam("nobody")
+    assert seen[True]["ids"][:4] == [nobody.pw_uid] * 2 + [nobody.pw_gid] * 2
+    assert seen[True]["caps"] == ["0000000000000000"] * 4
+    assert seen[True]["dumpable"] == 1
+    # Its parent is its user's zygote; a cold job's, the worker (root).
+    assert seen[True].pop("parent_uid") == nobody.pw_uid
+    assert seen[False].pop("parent_uid") == 0
+    assert seen[True] == seen[False]
 
 
 def _refused_at_start(argv: list[str], home: Path, said: str) -> None:

@@ -1,4 +1,8 @@
-"""The example training script run as a GPUlayer job (embedded), outputs kept."""
+"""The example training script run as a GPUlayer job (embedded), outputs kept.
+
+Each test runs twice (the ``torch_start`` fixture): cold, and forked from
+its workers' zygotes, which have imported torch, as the job's record says.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +13,21 @@ import pytest
 
 import gpulayer
 
+from helpers import Start
+
 pytestmark = pytest.mark.torch
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "train_mlp" / "train.py"
 
 
-def test_the_training_example_runs_as_a_job(home: Path, tmp_path: Path) -> None:
+def test_the_training_example_runs_as_a_job(torch_start: Start, home: Path, tmp_path: Path) -> None:
     with gpulayer.Client(home=home) as client:
         client.ensure_local_workers(1)
         job = client.submit(
             EXAMPLE, args=["--epochs", "2", "--samples", "512"], outputs=["gpulayer_runs"]
         )
         assert job.wait(timeout=300) == "succeeded", job.info.reason
+        torch_start.check(job)
         out = job.download_outputs(tmp_path / "out")
     summaries = list(out.rglob("summary.json"))
     assert len(summaries) == 1, sorted(p.relative_to(out) for p in out.rglob("*"))
@@ -30,7 +37,9 @@ def test_the_training_example_runs_as_a_job(home: Path, tmp_path: Path) -> None:
     assert "gpulayer_runs" in job.info.outputs
 
 
-def test_the_training_example_runs_as_a_2x2_job(home: Path, tmp_path: Path) -> None:
+def test_the_training_example_runs_as_a_2x2_job(
+    torch_start: Start, home: Path, tmp_path: Path
+) -> None:
     """DDP on gloo across two workers: rank 0's run (on node 0) comes back."""
     with gpulayer.Client(home=home) as client:
         client.ensure_local_workers(2)
@@ -42,6 +51,7 @@ def test_the_training_example_runs_as_a_2x2_job(home: Path, tmp_path: Path) -> N
             outputs=["gpulayer_runs"],
         )
         assert job.wait(timeout=300) == "succeeded", job.logs()
+        torch_start.check(job)
         out = job.download_outputs(tmp_path / "out")
         ranks = {line.rank for line in job.stream_logs(follow=False)}
     (summary_file,) = out.rglob("summary.json")

@@ -14,7 +14,7 @@ import click
 
 from .. import defaults
 from ..client import Job
-from ..jobs import QUEUED, STATES, JobInfo, LogLine
+from ..jobs import QUEUED, STATES, WARM, JobInfo, LogLine
 from . import output
 from .output import Column, Styled
 from .root import _client, main
@@ -155,6 +155,7 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
         if not info.tasks
         else ", ".join(f"node {t.node}: {t.worker}" for t in info.tasks),
         "gpu ids": ",".join(map(str, info.gpus)) or None,
+        "start": _start(info),
         "labels": ", ".join(f"{k}={v}" for k, v in spec.labels.items()) or None,
         "secrets": ", ".join(sorted(spec.secrets)) or None,  # names only: values never show
         # What all its processes used (kept with its marks), where measured.
@@ -183,6 +184,21 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
             [(path, ref.kind, str(ref.size), ref.digest) for path, ref in info.outputs.items()],
             title="outputs",
         )
+
+
+def _start(info: JobInfo) -> str | None:
+    """Which start the job had, for people: ``warm``, or ``cold (why)``, with
+    the node that started cold in a job of several. The text is its worker's:
+    output.fields escapes it like every cell."""
+    start = info.start
+    if start is None:
+        return None
+    if start == WARM:
+        return WARM
+    kind, sep, why = start.partition(": ")
+    shown = f"cold ({why})" if kind == "cold" and sep else start
+    cold = [t.node for t in info.tasks if t.start == start]
+    return f"{shown} on node {cold[0]}" if len(info.tasks) > 1 and cold else shown
 
 
 def _mib(size: float) -> str:

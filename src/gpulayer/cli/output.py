@@ -212,6 +212,7 @@ def job_object(info: JobInfo) -> dict[str, Any]:
         "usage": usage,
         "outputs": {path: _artifact(ref) for path, ref in info.outputs.items()},
         "tasks": [_task(task) for task in info.tasks],
+        "start": info.start,
     }
 
 
@@ -228,6 +229,7 @@ def _task(task: TaskInfo) -> dict[str, Any]:
         "gpu_ids": list(task.gpus),
         "outcome": None if result is None else result.outcome,
         "exit_code": None if result is None else result.exit_code,
+        "start": task.start,
     }
 
 

@@ -41,6 +41,7 @@ SUBMIT_KEYS = (
     "timeout",
     "name",
     "labels",
+    "warm",
 )
 
 
@@ -207,6 +208,13 @@ class _RunCommand(click.Command):
     "up to 300 s; 0 retries at once).",
 )
 @click.option("--timeout", type=float, help="Seconds before the job is terminated.")
+@click.option(
+    "--no-warm",
+    "no_warm",
+    is_flag=True,
+    default=None,
+    help="Start the script in a new interpreter, not as a fork of the worker's ready one.",
+)
 @click.option("--name", help="A name for the job.")
 @click.option(
     "--workers",
@@ -279,6 +287,8 @@ def run(
     ):
         if flags[key] is not None:
             fields[key] = flags[key]
+    if flags["no_warm"]:
+        fields["warm"] = False
     client = _client(ctx)
     if not follow and ctx.obj["server"] is None:
         raise click.UsageError(

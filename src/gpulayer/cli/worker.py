@@ -65,6 +65,18 @@ def worker() -> None:
     "A comma-separated list names one user per slot, so that jobs running at the same "
     "time never share a user (nor can read each other's environment or files).",
 )
+@click.option(
+    "--preload",
+    metavar="MOD[,MOD...]",
+    help="Modules the worker's ready interpreter imports, so that script jobs and their "
+    "ranks start as its forks, with them imported (default: torch,numpy, those installed; "
+    "an empty value: nothing).",
+)
+@click.option(
+    "--no-warm",
+    is_flag=True,
+    help="Start every job in a new interpreter, never forked from a ready one.",
+)
 @click.pass_context
 def worker_start(
     ctx: click.Context,
@@ -77,6 +89,8 @@ def worker_start(
     max_output: str | None,
     token_file: str | None,
     run_as: str | None,
+    preload: str | None,
+    no_warm: bool,
 ) -> None:
     """Offer this machine's slots to a server until stopped (SIGTERM or Ctrl-C).
 
@@ -117,6 +131,9 @@ def worker_start(
         raise click.BadParameter(str(exc), param_hint="--gpus") from None
     if run_as is not None:  # a worker that cannot, says so before it claims anything
         RunAs.for_slots(run_as, len(gpus) if gpus else (slots or 1))
+    if no_warm and preload is not None:
+        raise click.UsageError("--preload is for the ready interpreter, which --no-warm turns off")
+    preloaded = None if preload is None else _module_list(preload)
     # Those another worker on this machine offers are left to it (all, or a
     # vendor's); GPUs named one by one are claimed all, or refused.
     claim = claim_gpus(gpus, all_of_them=gpu_choice.strip().lower() not in ("all", "nvidia", "amd"))
@@ -161,6 +178,8 @@ def worker_start(
         warden_goodbye=goodbye,
         on_give_up=stop.set,
         run_as=run_as,
+        warm=False if no_warm else None,
+        preload=preloaded,
     )
     node.start()
     click.echo(
@@ -176,6 +195,18 @@ def worker_start(
     node.stop(timeout=30)
     if node.gave_up:
         ctx.exit(1)
+
+
+def _module_list(text: str) -> list[str]:
+    """``--preload``'s modules, each a dotted name of identifiers."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise click.BadParameter(
+                f"{name!r} is not a module name (as torch or numpy.linalg)",
+                param_hint="--preload",
+            )
+    return names
 
 
 class _StopRequest:

@@ -144,6 +144,12 @@ class PlaneCore:
         if again:
             run.given_back = given_back
             self._requeue(job_id, run, not_before=retry_at or 0.0)
+        # How each node started, where its result says (else its start
+        # report's holds); for the final record below, a job of one node
+        # whose result says needs no read of what the store made of it.
+        ended = run.results if len(run.tasks) > 1 else [result]
+        starts = {r.node: r.start for r in ended if r.start is not None}
+        start, node_starts = result.start, dict(starts)
         try:
             assignments = self._plan()
             with self.store.transaction() as tx:
@@ -170,7 +176,10 @@ class PlaneCore:
                         reason=reason,
                         marks=marks,
                         outputs=result.outputs,
+                        starts=starts,
                     )
+                    if run.spec.distributed or start is None:
+                        start, node_starts = tx.starts(job_id)
                 self._record(tx, assignments, now)
         except StoreError:
             if undo:
@@ -180,6 +189,9 @@ class PlaneCore:
         self._dispatch(assignments, now)
         if not again:
             first = run.tasks[0]
+            tasks = task_infos(run.tasks) if run.spec.distributed else []
+            for info in tasks:
+                info.start = node_starts.get(info.node)
             final = JobInfo(
                 id=job_id,
                 spec=run.spec,
@@ -197,7 +209,8 @@ class PlaneCore:
                 cancel_requested=cancel,
                 marks={**run.marks, **marks},
                 outputs=result.outputs,
-                tasks=task_infos(run.tasks) if run.spec.distributed else [],
+                tasks=tasks,
+                start=start,
             )
             self._signal_done(job_id, final)
         return not again

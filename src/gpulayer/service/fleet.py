@@ -14,6 +14,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
+import msgspec
+
 from .. import defaults
 from ..errors import InvalidStateError, StoreError
 from ..ids import new_id
@@ -27,6 +29,7 @@ from ..jobs import (
     TaskResult,
     TaskStarted,
     WorkerInfo,
+    clip_start,
 )
 from ..signals import Signal, Unsubscribe, wait_on
 from .blobs import BlobReaders
@@ -487,6 +490,7 @@ class Fleet(BlobReaders):
                     pid_created=report.pid_created,
                     node=node,
                     procs=report.procs,
+                    start=clip_start(report.start),  # the worker's text: bounded
                 )
 
     def task_rendezvous(self, job_id: str, attempt: int, worker_id: str, port: int) -> None:
@@ -586,6 +590,9 @@ class Fleet(BlobReaders):
         ends its attempt storing no output, then raises UnsafeOutputError."""
         now = self._clock()
         refused = None
+        start = clip_start(result.start)  # the worker's text: bounded
+        if start != result.start:
+            result = msgspec.structs.replace(result, start=start)
         if result.outputs:
             # Checked outside the lock (a glob may name a million outputs):
             # a job's spec does not change.

@@ -50,9 +50,13 @@ class Transaction(abc.ABC):
         pid_created: float | None,
         node: int | None = None,
         procs: Sequence[tuple[int, float | None]] = (),
+        start: str | None = None,
     ) -> None:
         """A task's process started. A distributed job's task names its
-        ``node`` and, with several ranks, each one's process in ``procs``."""
+        ``node`` and, with several ranks, each one's process in ``procs``.
+        ``start``: how its processes started (``jobs.WARM`` or "cold:
+        <why>"), kept as the task's and, through ``jobs.job_start``, the
+        job's; None (a worker that does not say) leaves what is kept."""
 
     @abc.abstractmethod
     def finish(
@@ -64,7 +68,17 @@ class Transaction(abc.ABC):
         reason: str | None,
         marks: dict[str, float],
         outputs: dict[str, ArtifactRef],
-    ) -> None: ...
+        starts: Mapping[int, str] | None = None,
+    ) -> None:
+        """End the job. ``starts``: how each node's task started, as its
+        result said (node 0 alone for a job of one); each replaces what that
+        node's start report said, and the job's start follows. A node not
+        named keeps its own."""
+
+    @abc.abstractmethod
+    def starts(self, job_id: str) -> tuple[str | None, dict[int, str]]:
+        """How the job's current attempt started, as kept: the job's start,
+        and each node's that is known (a job of several nodes; else ``{}``)."""
 
     @abc.abstractmethod
     def cancel_requested(self, job_id: str) -> bool:
@@ -72,7 +86,8 @@ class Transaction(abc.ABC):
 
     @abc.abstractmethod
     def task_ended(self, job_id: str, node: int, result: TaskResult) -> None:
-        """One node of a distributed job ended while others run on."""
+        """One node of a distributed job ended while others run on (its
+        ``result.start``, if given, replaces the node's start)."""
 
     @abc.abstractmethod
     def set_master_port(self, job_id: str, port: int) -> None:
@@ -93,7 +108,8 @@ class Transaction(abc.ABC):
         (one placement did not count); ``given_back``, if given, how many of
         them were given back unrun and do not count against its retries;
         ``retry_at``, if given, when its back-off ends (kept as its mark
-        ``retry_at``, so that it holds through a restart)."""
+        ``retry_at``, so that it holds through a restart). Its start, like
+        its marks after ``submitted``, was the ended attempt's: cleared."""
 
     @abc.abstractmethod
     def append_logs(self, job_id: str, attempt: int, lines: Sequence[LogLine]) -> None:

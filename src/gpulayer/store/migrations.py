@@ -188,6 +188,15 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ) WITHOUT ROWID
         """,
     ),
+    # 11: how the current attempt's processes started: "warm" (forked from
+    # the worker's ready interpreter) or "cold: <why>" (jobs.job_start). Jobs
+    # from before, and from workers that do not say, have NULL: not known.
+    # A job of several nodes keeps each node's in its task's entry too.
+    (
+        """
+        ALTER TABLE jobs ADD COLUMN start TEXT
+        """,
+    ),
 )
 
 LATEST = len(MIGRATIONS)

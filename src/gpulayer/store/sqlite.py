@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from ..errors import StoreError
-from ..jobs import FINAL_STATES, JobInfo, LogLine, TaskInfo, TaskResult, WorkerInfo
+from ..jobs import FINAL_STATES, JobInfo, LogLine, TaskInfo, TaskResult, WorkerInfo, job_start
 from ..spec import ArtifactRef, JobSpec
 from . import Store, Transaction
 from .migrations import LATEST, MIGRATIONS
@@ -34,7 +34,7 @@ _decode_tasks = msgspec.json.Decoder(list[TaskInfo]).decode
 
 _JOB_COLUMNS = (
     "id, seq, state, spec, attempt, owner, worker, slots, gpus, exit_code, reason, "
-    "cancel_requested, pid, pid_created, marks, tasks, given_back, user_name"
+    "cancel_requested, pid, pid_created, marks, tasks, given_back, user_name, start"
 )
 
 
@@ -58,6 +58,7 @@ def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> J
         tasks,
         given_back,
         user,
+        start,
     ) = row
     return JobInfo(
         id=str(jid),
@@ -79,6 +80,7 @@ def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> J
         marks=_decode_marks(marks),  # type: ignore[arg-type]
         outputs=outputs,
         tasks=_decode_tasks(tasks) if tasks else [],  # type: ignore[arg-type]
+        start=start,  # type: ignore[arg-type]
     )
 
 
@@ -130,7 +132,7 @@ class _SqliteTransaction(Transaction):
         return (
             self.db.execute(
                 "UPDATE jobs SET state='running', worker=?, slots=?, gpus=?, attempt=?, tasks=?, "
-                "exit_code=NULL, marks=json_set(marks, '$.placed', json(?)) WHERE id=? AND state='queued'",
+                "exit_code=NULL, start=NULL, marks=json_set(marks, '$.placed', json(?)) WHERE id=? AND state='queued'",
                 # Numbers go in as JSON text: SQLite renders bound REALs with 15 digits.
                 (
                     worker,
@@ -154,11 +156,13 @@ class _SqliteTransaction(Transaction):
         pid_created: float | None,
         node: int | None = None,
         procs: Sequence[tuple[int, float | None]] = (),
+        start: str | None = None,
     ) -> None:
         if node is None:
             self.db.execute(
-                "UPDATE jobs SET pid=?, pid_created=?, marks=json_patch(marks, ?) WHERE id=?",
-                (pid, pid_created, _encode(marks), job_id),
+                "UPDATE jobs SET pid=?, pid_created=?, start=COALESCE(?, start), "
+                "marks=json_patch(marks, ?) WHERE id=?",
+                (pid, pid_created, start, _encode(marks), job_id),
             )
             return
         # A node of a distributed job: its process goes in its task's entry.
@@ -181,6 +185,27 @@ class _SqliteTransaction(Transaction):
                 job_id,
             ),
         )
+        if start is not None:
+            self._set_starts(job_id, {int(node): start})
+
+    def _set_starts(self, job_id: str, starts: Mapping[int, str]) -> None:
+        """Each named node's start in its task's entry, and the job's from
+        every node's (jobs.job_start); a job without entries (of one node,
+        not distributed) has node 0's as its own."""
+        row = self.db.execute("SELECT tasks FROM jobs WHERE id=?", (job_id,)).fetchone()
+        if row is None:
+            return
+        if row[0] is None:
+            if 0 in starts:
+                self.db.execute("UPDATE jobs SET start=? WHERE id=?", (starts[0], job_id))
+            return
+        tasks = _decode_tasks(row[0])
+        for task in tasks:
+            task.start = starts.get(task.node, task.start)
+        self.db.execute(
+            "UPDATE jobs SET tasks=?, start=? WHERE id=?",
+            (_encode(tasks).decode(), job_start(t.start for t in tasks), job_id),
+        )
 
     def finish(
         self,
@@ -191,12 +216,18 @@ class _SqliteTransaction(Transaction):
         reason: str | None,
         marks: dict[str, float],
         outputs: dict[str, ArtifactRef],
+        starts: Mapping[int, str] | None = None,
     ) -> None:
-        self.db.execute(
+        # A job of one node takes node 0's start here, in the one statement
+        # (the common case); one with task entries, from them all after.
+        entries = self.db.execute(
             "UPDATE jobs SET state=?, exit_code=?, reason=?, pid=NULL, pid_created=NULL, "
-            "marks=json_patch(marks, ?) WHERE id=?",
-            (state, exit_code, reason, _encode(marks), job_id),
-        )
+            "start=CASE WHEN tasks IS NULL THEN COALESCE(?, start) ELSE start END, "
+            "marks=json_patch(marks, ?) WHERE id=? RETURNING tasks IS NOT NULL",
+            (state, exit_code, reason, (starts or {}).get(0), _encode(marks), job_id),
+        ).fetchone()
+        if starts and entries is not None and entries[0]:
+            self._set_starts(job_id, starts)
         if outputs:
             self.db.executemany(
                 "INSERT OR REPLACE INTO outputs (job_id, path, kind, digest, size) VALUES (?,?,?,?,?)",
@@ -209,6 +240,15 @@ class _SqliteTransaction(Transaction):
             "WHERE id=? AND tasks IS NOT NULL",
             (_encode(result).decode(), job_id),
         )
+        if result.start is not None:
+            self._set_starts(job_id, {int(node): result.start})
+
+    def starts(self, job_id: str) -> tuple[str | None, dict[int, str]]:
+        row = self.db.execute("SELECT start, tasks FROM jobs WHERE id=?", (job_id,)).fetchone()
+        if row is None:
+            return None, {}
+        tasks = _decode_tasks(row[1]) if row[1] else []
+        return row[0], {t.node: t.start for t in tasks if t.start is not None}
 
     def set_master_port(self, job_id: str, port: int) -> None:
         self.db.execute(
@@ -242,7 +282,7 @@ class _SqliteTransaction(Transaction):
             )
         # Marks after 'submitted' describe the attempt that ended; start afresh.
         self.db.execute(
-            "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, pid_created=NULL, tasks=NULL, owner=?, "
+            "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, pid_created=NULL, tasks=NULL, start=NULL, owner=?, "
             "reason=?, attempt=COALESCE(?, attempt), given_back=COALESCE(?, given_back), "
             "marks=json_patch(json_object('submitted', json_extract(marks, '$.submitted')), ?) "
             "WHERE id=?",

@@ -53,7 +53,6 @@ import itertools
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -90,7 +89,7 @@ from .containment import (
     proc_stat,
     ticks_now,
 )
-from .process import KILL_WAIT_S, RunAs, spawn
+from .process import KILL_WAIT_S, RunAs, Starter, TaskProcess, spawn
 
 log = logging.getLogger(__name__)
 
@@ -425,10 +424,11 @@ class CgroupBox(Box):
         cwd: Path,
         env: Mapping[bytes, bytes],
         run_as: RunAs | None = None,
-    ) -> subprocess.Popen[bytes]:
+        starter: Starter = spawn,
+    ) -> TaskProcess:
         record = self._owner.begin(self)
         try:
-            proc = spawn(argv, cwd=cwd, env=env, run_as=run_as)
+            proc = starter(argv, cwd=cwd, env=env, run_as=run_as)
             self._owner.started(record, proc.pid)
             try:
                 self._owner.place(record)

@@ -38,7 +38,6 @@ import ctypes
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -49,7 +48,15 @@ from typing import TYPE_CHECKING
 
 from .. import defaults
 from ..errors import WorkerError
-from .process import KILL_WAIT_S, RunAs, spawn, terminate_trees, wait_exited
+from .process import (
+    KILL_WAIT_S,
+    RunAs,
+    Starter,
+    TaskProcess,
+    spawn,
+    terminate_trees,
+    wait_exited,
+)
 
 if TYPE_CHECKING:
     import psutil
@@ -92,8 +99,10 @@ class Box(ABC):
         cwd: Path,
         env: Mapping[bytes, bytes],
         run_as: RunAs | None = None,
-    ) -> subprocess.Popen[bytes]:
-        """Start one of the task's processes (as ``process.spawn``) in the box."""
+        starter: Starter = spawn,
+    ) -> TaskProcess:
+        """Start one of the task's processes in the box: by ``starter``,
+        ``process.spawn`` (cold) or a zygote's (warm, held until released)."""
 
     @abstractmethod
     def signal_rest(self, sig: signal.Signals, skip_groups: frozenset[int] = frozenset()) -> None:
@@ -230,7 +239,7 @@ class TreeBox(Box):
 
     def __init__(self) -> None:
         super().__init__()
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[TaskProcess] = []
 
     def spawn(
         self,
@@ -239,8 +248,9 @@ class TreeBox(Box):
         cwd: Path,
         env: Mapping[bytes, bytes],
         run_as: RunAs | None = None,
-    ) -> subprocess.Popen[bytes]:
-        proc = spawn(argv, cwd=cwd, env=env, run_as=run_as)
+        starter: Starter = spawn,
+    ) -> TaskProcess:
+        proc = starter(argv, cwd=cwd, env=env, run_as=run_as)
         self.procs.append(proc)
         return proc
 
@@ -449,7 +459,7 @@ class SubreaperBox(Box):
         self._owner = owner
         self.since = ticks_now()  # clock ticks since boot, as /proc/<pid>/stat counts
         self.ending = False
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[TaskProcess] = []
         self._closed = False
 
     def spawn(
@@ -459,10 +469,11 @@ class SubreaperBox(Box):
         cwd: Path,
         env: Mapping[bytes, bytes],
         run_as: RunAs | None = None,
-    ) -> subprocess.Popen[bytes]:
+        starter: Starter = spawn,
+    ) -> TaskProcess:
         # Forked on a thread of the worker's other than its main one, it is
         # never taken for an orphan, recorded yet or not (see _orphans_of).
-        proc = spawn(argv, cwd=cwd, env=env, run_as=run_as)
+        proc = starter(argv, cwd=cwd, env=env, run_as=run_as)
         self._owner._started(self, proc.pid)
         self.procs.append(proc)
         return proc

@@ -10,7 +10,7 @@ launchers (ADR-0016):
 - ``torchrun``: one ``torch.distributed.run`` agent per node, for scripts that
   rely on torchelastic (restarts, its own rendezvous). Its output lines carry
   a rank prefix (set through its environment) that the worker strips into the
-  line's ``rank``.
+  line's ``rank``. Its ranks get what torchrun sets, and ``NODE_RANK`` too.
 
 The master port: node 0's worker reserves it before anything starts. The
 socket is bound with ``SO_REUSEADDR`` and never listens, so the kernel gives
@@ -27,6 +27,7 @@ import ipaddress
 import re
 import socket
 import sys
+import time
 from collections.abc import Iterable
 
 from ..spec import JobSpec
@@ -36,6 +37,36 @@ _PREFIX_RE = re.compile(r"^\[gpulayer-rank(\d+)\]:")
 # torchrun's summary of a failed rank ("Root Cause (first observed failure)").
 _ROOT_RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _ROOT_EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+RANK_ZERO_WAIT_S = 0.25  # the most node 0's forked ranks wait for rank 0's store
+
+
+def listening(port: int, timeout: float) -> bool:
+    """Whether a socket of this machine listens on TCP ``port``, looked for
+    in /proc/net/tcp{,6} (no connection made: a store would see one) until
+    ``timeout`` s have passed."""
+    want = f":{port:04X} "
+    deadline = time.monotonic() + timeout
+    while True:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                with open(table) as f:
+                    next(f, None)  # its header
+                    for line in f:
+                        fields = line.split()
+                        # local_address is field 1; st (0A: LISTEN) field 3
+                        if (
+                            len(fields) > 3
+                            and fields[3] == "0A"
+                            and (fields[1] + " ").endswith(want)
+                        ):
+                            return True
+            except OSError:
+                return False  # no /proc to look in: do not wait
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)  # polled: nothing tells another process of a listen
 
 
 def reserve_port() -> socket.socket:
@@ -145,8 +176,18 @@ def network_env(spec: JobSpec, interface: str | None) -> dict[str, str]:
     }
 
 
-def torchrun_env(spec: JobSpec) -> dict[str, str]:
-    return {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": TORCHRUN_PREFIX, **cpu_threads(spec)}
+def torchrun_env(spec: JobSpec, *, node: int) -> dict[str, str]:
+    """What one node's torchrun agent gets, and passes on to its ranks.
+
+    torchrun sets ``GROUP_RANK`` for each rank but not ``NODE_RANK``, which
+    every rank gets under the direct launcher and which Lightning's own
+    environment detection reads: the agent's environment carries it.
+    """
+    return {
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": TORCHRUN_PREFIX,
+        "NODE_RANK": str(node),
+        **cpu_threads(spec),
+    }
 
 
 def split_rank(text: str) -> tuple[int | None, str]:

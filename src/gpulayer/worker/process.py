@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
 
 from ..errors import WorkerError
 
@@ -40,6 +40,38 @@ if TYPE_CHECKING:
     import psutil
 
 logger = logging.getLogger(__name__)
+
+
+class TaskProcess(Protocol):
+    """What the worker keeps of a task's process: a ``Popen`` (a cold
+    start), or a fork of a ready interpreter (``warm.WarmProcess``)."""
+
+    pid: int
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
+class Starter(Protocol):
+    """How a task's process is started: :func:`spawn`, or a zygote's."""
+
+    def __call__(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: Path,
+        env: Mapping[bytes, bytes],
+        run_as: RunAs | None = None,
+    ) -> TaskProcess: ...
+
 
 _DEVNULL: int | None = None
 
@@ -237,7 +269,7 @@ class Ends(Protocol):
 
 
 def terminate_tree(
-    proc: subprocess.Popen[bytes] | int, *, grace: float = 10.0, box: Ends | None = None
+    proc: TaskProcess | int, *, grace: float = 10.0, box: Ends | None = None
 ) -> None:
     """End ``proc`` and every descendant: SIGTERM, up to ``grace`` s, then SIGKILL.
 
@@ -248,21 +280,20 @@ def terminate_tree(
     With ``box``, the box that holds ``proc`` is what is ended: every process
     the task started, wherever it went.
     """
-    popen = proc if isinstance(proc, subprocess.Popen) else None
+    popen = None if isinstance(proc, int) else proc
     if box is not None:
         box.end(grace)
     elif popen is not None:
         terminate_trees([popen], grace=grace)
         return
     else:
-        _terminate_pid(proc if isinstance(proc, int) else proc.pid, grace)
+        assert isinstance(proc, int)
+        _terminate_pid(proc, grace)
     if popen is not None:
         _reap(popen)
 
 
-def terminate_trees(
-    procs: Sequence[subprocess.Popen[bytes]], *, grace: float, sigterm: bool = True
-) -> None:
+def terminate_trees(procs: Sequence[TaskProcess], *, grace: float, sigterm: bool = True) -> None:
     """:func:`terminate_tree` for several of our own children at once (one
     grace for all), reaping each. ``sigterm=False``: they were sent it
     already, and only get the rest of the grace, then SIGKILL."""
@@ -501,7 +532,7 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
-def _reap(popen: subprocess.Popen[bytes]) -> None:
+def _reap(popen: TaskProcess) -> None:
     """Collect the child's exit status (another thread may be waiting on it too)."""
     try:
         popen.wait(timeout=KILL_WAIT_S)

@@ -27,6 +27,7 @@ and the task reports that rank, its exit code and its stderr.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -52,6 +53,8 @@ from .collect import collect_outputs
 from .containment import Box, Containment, TreeBox
 from .gpus import Vendor, visible_devices_env
 from .launch import (
+    RANK_ZERO_WAIT_S,
+    listening,
     network_env,
     rank_env,
     reserve_port,
@@ -61,7 +64,8 @@ from .launch import (
     torchrun_failure,
 )
 from .logs import LogSender, TaskLog
-from .process import RunAs, terminate_tree
+from .process import KILL_WAIT_S, RunAs, Starter, TaskProcess, spawn, terminate_tree
+from .warm import WarmProcess, WarmStarts, WarmUnavailable
 from .watch import watch_all
 from .workspace import prepare
 
@@ -95,6 +99,16 @@ def _tail(lines: deque[str]) -> list[str]:
     return [line if len(line) <= limit else line[:limit] + " [cut]" for line in lines]
 
 
+def _runs_a_script(argv: list[str]) -> bool:
+    """Whether a command is ``<the worker's python> script.py ...``, which
+    starts as a script does."""
+    if len(argv) < 2 or argv[1].startswith("-") or not argv[1].endswith(".py"):
+        return False
+    # The very path: a venv's python and the one it links to resolve alike,
+    # but each has its own site-packages.
+    return argv[0] == sys.executable
+
+
 class TaskRun:
     def __init__(
         self,
@@ -119,6 +133,7 @@ class TaskRun:
         max_output_bytes: int = defaults.MAX_OUTPUT_BYTES,
         containment: Containment | None = None,
         run_as: RunAs | None = None,
+        warm: WarmStarts | None = None,
     ) -> None:
         self.task = task
         self.max_output_bytes = max_output_bytes  # what its outputs may total
@@ -148,7 +163,7 @@ class TaskRun:
         self.defer_started = defer_started
         self._lock = threading.Lock()
         self._ending: Outcome | None = None  # why we are ending it early, if we are
-        self._procs: list[subprocess.Popen[bytes]] = []  # its process, or its node's ranks
+        self._procs: list[TaskProcess] = []  # its process, or its node's ranks
         self._ranks: list[int | None] = [None]  # the rank each of them runs
         self._tasklog: TaskLog | None = None
         self._early: TaskResult | None = None  # the result when it never ran
@@ -163,11 +178,16 @@ class TaskRun:
         self._rendezvous = threading.Event()
         self._failed: tuple[int | None, int] | None = None
         self._proc_times: list[tuple[int, float]] = []
+        self._starts: list[tuple[list[str], Path, dict[bytes, bytes]]] = []  # each one's
         # Where its processes are kept, made as the first starts: a
         # TaskRun made without a worker's containment keeps today's tree.
         self._containment = containment
         self._box: Box | None = None
         self.run_as = run_as  # the Unix user the job runs as, if not the worker's
+        # Its processes fork from the worker's ready interpreter where they
+        # can (warm.py); ``start_mode`` says whether they all did, or why not.
+        self.warm = warm
+        self.start_mode: str | None = None
         # Its own thread, if it gets one (a task handed to the thread that
         # reported the previous one does not).
         self.thread: threading.Thread | None = None
@@ -214,7 +234,7 @@ class TaskRun:
         self._master_port = port
         self._rendezvous.set()
 
-    def _terminate(self, procs: list[subprocess.Popen[bytes]]) -> None:
+    def _terminate(self, procs: list[TaskProcess]) -> None:
         """End these process trees, all at once, each with its grace period:
         the whole box (every process of the task, wherever it went)."""
         for proc in procs:
@@ -236,6 +256,7 @@ class TaskRun:
             outcome=outcome,
             marks=self.marks,
             node=self.task.node,
+            start=self.start_mode,
             **fields,  # type: ignore[arg-type]
         )
 
@@ -406,15 +427,84 @@ class TaskRun:
         if self.on_spawned is not None:
             self.on_spawned(self, self._proc_times)
 
-    def _spawn(self, argv: list[str], cwd: Path, env: dict[bytes, bytes]) -> None:
+    def _spawn(
+        self, argv: list[str], cwd: Path, env: dict[bytes, bytes], *, hold: bool = False
+    ) -> None:
         """Start one of the task's processes, noting its pid and start time
-        (the clock just before the spawn, as process.spawn says)."""
+        (the clock just before the spawn, as process.spawn says). ``hold``:
+        a zygote's child waits for :meth:`_let_go` before it runs."""
+        starter = self._starter(argv, cwd, env)
         at = time.time()
         if self._box is None:
             self._box = TreeBox() if self._containment is None else self._containment.box()
-        proc = self._box.spawn(argv, cwd=cwd, env=env, run_as=self.run_as)
+        try:
+            proc = self._box.spawn(argv, cwd=cwd, env=env, run_as=self.run_as, starter=starter)
+            if isinstance(proc, WarmProcess) and not hold:
+                self._release(proc)
+        except WarmUnavailable as exc:
+            proc, at = self._cold_instead(exc, argv, cwd, env), time.time()
         self._procs.append(proc)
         self._proc_times.append((proc.pid, at))
+        self._starts.append((argv, cwd, env))
+
+    def _cold_instead(
+        self, exc: Exception, argv: list[str], cwd: Path, env: dict[bytes, bytes]
+    ) -> TaskProcess:
+        """The zygote failed (killed, stopped, gone): the task is not its to
+        fail. The process starts cold, and the task's record says why."""
+        log.warning("task %s: starting cold: %s", self.task.job_id, exc)
+        self.start_mode = f"cold: the ready interpreter failed ({exc})"
+        assert self._box is not None
+        return self._box.spawn(argv, cwd=cwd, env=env, run_as=self.run_as)
+
+    def _let_go(self, index: int) -> None:
+        """Release the held process ``index`` (or start it cold)."""
+        proc = self._procs[index]
+        if not isinstance(proc, WarmProcess) or proc._channel is None:
+            return
+        try:
+            self._release(proc)
+        except WarmUnavailable as exc:
+            argv, cwd, env = self._starts[index]
+            at = time.time()
+            cold = self._cold_instead(exc, argv, cwd, env)
+            self._procs[index], self._proc_times[index] = cold, (cold.pid, at)
+
+    @staticmethod
+    def _release(proc: WarmProcess) -> None:
+        """Let a zygote's child, in its box now, run; if it cannot, it ends."""
+        try:
+            proc.release()
+        except BaseException:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=KILL_WAIT_S)
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            raise
+
+    def _starter(self, argv: list[str], cwd: Path, env: dict[bytes, bytes]) -> Starter:
+        """A zygote's fork for a script (or a direct launcher's rank), where
+        one is ready for this task's settings; else a cold start. Notes why."""
+        spec = self.task.spec
+        why: str | None
+        if spec.script is None and not _runs_a_script(argv):
+            why = "a command job, not a Python script run by the worker's Python"
+        elif spec.distributed and spec.launcher == "torchrun":
+            why = "torchrun starts the ranks"
+        elif not spec.warm:
+            why = "the job asked for a cold start"
+        elif self.warm is None:
+            why = "the worker starts jobs cold (--no-warm, or no fork server on this system)"
+        else:
+            zygote, why = self.warm.choose(argv, cwd=cwd, env=env, run_as=self.run_as)
+            if zygote is not None:
+                self.start_mode = self.start_mode or "warm"
+                return zygote.spawn
+        if self.start_mode is None or self.start_mode == "warm":
+            self.start_mode = f"cold: {why}"  # one cold process makes the task's start cold
+        return spawn
 
     def _spawn_ranks(self, argv: list[str], cwd: Path, env: dict[bytes, bytes]) -> None:
         """This node's ranks (direct launcher) or its torchrun agent."""
@@ -429,7 +519,7 @@ class TaskRun:
                 [spec.script, *spec.args] if spec.script else [*(spec.command or []), *spec.args]
             )
             agent_env = env.copy()
-            for key, value in torchrun_env(spec).items():
+            for key, value in torchrun_env(spec, node=task.node).items():
                 agent_env[os.fsencode(key)] = os.fsencode(value)
             agent = torchrun_argv(
                 spec,
@@ -454,11 +544,37 @@ class TaskRun:
                 own = env.copy()
                 for key, value in rank_vars.items():
                     own[os.fsencode(key)] = os.fsencode(value)
-                self._spawn(argv, cwd, own)
+                # Node 0's other ranks wait for rank 0 (see _rank_zero_first).
+                self._spawn(argv, cwd, own, hold=task.node == 0 and local_rank > 0)
                 self._ranks.append(int(rank_vars["RANK"]))
+            self._rank_zero_first()
         except BaseException:
+            for proc in self._procs:
+                if isinstance(proc, WarmProcess) and proc._channel is not None:
+                    proc.close_unreleased()
             self._terminate(self._procs)
             raise
+
+    def _rank_zero_first(self) -> None:
+        """Release node 0's held ranks once rank 0 listens on the master port.
+
+        Forked ranks reach ``init_process_group`` within a millisecond of
+        each other. A rank that connects before rank 0's store listens is
+        refused, and torch's client waits out a back-off (0.4 to 0.7 s,
+        measured) before it tries again: more than the whole warm start.
+        So they go once the port listens, or after ``RANK_ZERO_WAIT_S`` (a
+        script with a long set-up before its ``init_process_group``)."""
+        held = [
+            i
+            for i, proc in enumerate(self._procs)
+            if isinstance(proc, WarmProcess) and proc._channel is not None
+        ]
+        if not held:
+            return
+        if self._master_port is not None and self._procs[0].returncode is None:
+            listening(self._master_port, RANK_ZERO_WAIT_S)
+        for index in held:
+            self._let_go(index)
 
     def _supervise(self, tasklog: TaskLog) -> TaskResult:
         procs, box = self._procs, self._box
@@ -476,6 +592,7 @@ class TaskRun:
             node=self.task.node,
             # A copy, as the report types it (its start times may be unknown).
             procs=[(pid, at) for pid, at in self._proc_times] if len(procs) > 1 else [],
+            start=self.start_mode,
         )
 
         def report_started() -> None:

@@ -14,12 +14,12 @@ import contextlib
 import os
 import select
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 from .. import defaults
+from .process import TaskProcess
 
 Emit = Callable[[str, str], None]  # (stream, text)
 IndexedEmit = Callable[[int, str, str], None]  # (which process, stream, text)
@@ -69,8 +69,12 @@ class LineSplitter:
         self.buf.clear()
 
 
-def _exit_fd(proc: subprocess.Popen[bytes]) -> tuple[int, Callable[[], None]]:
+def _exit_fd(proc: TaskProcess) -> tuple[int, Callable[[], None]]:
     """A descriptor that turns readable when ``proc`` exits, and its cleanup."""
+    own = getattr(proc, "exit_fd", None)
+    if own is not None:  # a zygote's child: its pidfd, taken before it could exit
+        fd = own()
+        return fd, lambda: os.close(fd)
     if hasattr(os, "pidfd_open"):
         with contextlib.suppress(OSError):
             fd = os.pidfd_open(proc.pid)
@@ -93,7 +97,7 @@ def _exit_fd(proc: subprocess.Popen[bytes]) -> tuple[int, Callable[[], None]]:
 class _Watched:
     """One process of a task, as :func:`watch_all` follows it."""
 
-    def __init__(self, index: int, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, index: int, proc: TaskProcess) -> None:
         self.index = index
         self.proc = proc
         self.code: int | None = None
@@ -106,7 +110,7 @@ class _Watched:
 
 
 def watch_all(
-    procs: Sequence[subprocess.Popen[bytes]],
+    procs: Sequence[TaskProcess],
     emit: IndexedEmit,
     *,
     deadline: float | None = None,

@@ -25,7 +25,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -53,6 +53,8 @@ from .outbox import Outbox
 from .process import RunAs
 from .task import TaskRun
 from .warden import Warden, open_stdio
+from .warm import WarmStarts
+from .warm import from_environment as warm_starts
 from .workspace import make_spare, reuse_if_empty
 
 log = logging.getLogger(__name__)
@@ -92,8 +94,13 @@ class Worker:
         max_output_bytes: int = defaults.MAX_OUTPUT_BYTES,
         containment: str | None = None,
         run_as: str | None = None,
+        warm: bool | None = None,
+        preload: Sequence[str] | None = None,
     ) -> None:
-        """``containment``: how it keeps every process a task starts
+        """``warm``: fork script tasks from a ready interpreter that has
+        imported ``preload`` (see warm.py; None: ``GPULAYER_WARM``,
+        ``GPULAYER_PRELOAD``, else on, with torch and numpy).
+        ``containment``: how it keeps every process a task starts
         (``GPULAYER_CONTAINMENT`` if None; see ``containment.py``).
         ``run_as``: the Unix user its jobs run as (the worker must be root),
         or a comma-separated list of one per slot, each slot's jobs run as
@@ -154,6 +161,8 @@ class Worker:
         for name in (defaults.TOKEN_ENV, defaults.TOKEN_FILE_ENV):
             self._base_env.pop(os.fsencode(name), None)
         self._dir_numbers = itertools.count(1)
+        self._warm_choice = (warm, preload)
+        self._warm: WarmStarts | None = None  # made as it starts serving
         if warden and not ledger:
             raise WorkerError("a worker's warden ends what its ledger lists: ledger=True")
         if warden:
@@ -308,6 +317,17 @@ class Worker:
             # adopts the id in turn.
             self._ledger.set_worker_id(self.info.id)
             self._deliver_kept(self._ledger)
+        warm, preload = self._warm_choice
+        # A worker of its own lives long: its zygotes are made now, before
+        # it can be given a job. Embedded, once a first script has run (see
+        # WarmStarts).
+        self._warm = warm_starts(
+            self._base_env,
+            warm=warm,
+            preload=preload,
+            eager=self.heartbeat_interval is not None,
+            users=[None] if self.run_as is None else list(self.run_as),
+        )
         self._registered_as(self.transport.register_worker(self.info, adopted=adopted))
         self._registered = True
         if self._ledger is not None and self._ledger.holds_results():
@@ -639,6 +659,7 @@ class Worker:
             max_output_bytes=self.max_output_bytes,
             containment=self._containment,
             run_as=user,
+            warm=self._warm,
         )
         with self._tasks_lock:
             self._tasks[run.key] = run
@@ -656,6 +677,8 @@ class Worker:
         # up here costs the job nothing.
         if self._ledger is not None:
             self._ledger.forget(f"{run.task.job_id}-{run.task.attempt}")
+        if self._warm is not None:
+            self._warm.task_done()  # a zygote this task wanted is made now, not during it
         if self.run_as is not None:
             # What the task left (its inputs, its workspace) is out of every
             # later job's reach at once, while it is being removed.
@@ -688,6 +711,9 @@ class Worker:
             self._start_task(*released)
 
     def _release_containment(self) -> None:
+        warm, self._warm = self._warm, None
+        if warm is not None:  # its zygotes go; their children were tasks, ended by now
+            warm.close()
         held, self._containment = self._containment, None
         if held is not None:  # its warden, let go of already, leaves with it
             release_containment(held, leaving=[] if self._warden is None else [self._warden.pid])
