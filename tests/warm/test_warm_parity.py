@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,15 +17,6 @@ import gpulayer
 from gpulayer.worker import warm
 
 pytestmark = pytest.mark.skipif(not warm.supported(), reason="warm start needs Linux pidfds")
-
-
-@pytest.fixture
-def warm_client(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[gpulayer.Client]:
-    monkeypatch.setenv("GPULAYER_WARM", "ready")
-    monkeypatch.setenv("GPULAYER_PRELOAD", "")
-    with gpulayer.Client(home=home) as c:
-        c.ensure_local_workers(1, kill_grace=0.5)
-        yield c
 
 
 def _project(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -96,7 +86,6 @@ def test_a_forked_child_that_returns_does_not_decide_the_jobs_exit_code(
             sys.exit(0)
         os.waitpid(pid, 0)
         os.kill(os.getppid(), signal.SIGKILL)  # warm only: the zygote
-        time.sleep(0.3)
         sys.exit(7)
     """
     root = _project(tmp_path, {"main.py": source})

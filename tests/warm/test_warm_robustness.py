@@ -49,7 +49,7 @@ def test_closing_a_zygote_still_importing_does_not_wait_for_its_imports(
     zygote = warm.Zygote(env, ["slow_preload"], ())
     assert zygote.proc is not None
     try:
-        time.sleep(0.5)  # in its imports now
+        assert zygote.started.wait(30)  # it said hello, then began its imports (30 s long)
         assert zygote.state == "starting"
         zygote._control = _Descheduled(zygote._control)  # type: ignore[assignment]
         began = time.monotonic()
@@ -69,6 +69,16 @@ def three_workers(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[gpula
     with gpulayer.Client(home=home) as c:
         c.ensure_local_workers(3, kill_grace=0.5)
         yield c
+
+
+def _settled(client: gpulayer.Client) -> None:
+    """Every local worker idle (its tasks' ends handled) and every zygote it
+    made or wants ready, or known never to be."""
+    for worker in client._embedded.workers:  # type: ignore[union-attr]
+        with worker._tasks_lock:
+            assert worker._idle.wait_for(lambda w=worker: not w._tasks, 60)
+        if worker._warm is not None:
+            worker._warm.wait_ready(60)
 
 
 def _parent(pid: int) -> int | None:
@@ -108,7 +118,7 @@ def test_guard_no_descriptor_thread_or_process_left_after_many_warm_jobs(
         first = c.submit(root / "main.py", source=root)
         first.wait(timeout=60)
         assert first.info.start == "warm"
-        time.sleep(0.3)
+        _settled(c)
         fds_before, threads_before = fds(), threading.active_count()
         jobs = []
         for i in range(60):
@@ -121,14 +131,16 @@ def test_guard_no_descriptor_thread_or_process_left_after_many_warm_jobs(
                 jobs.append(c.submit(root / "die.py", source=root))
             else:
                 jobs.append(c.submit(root / "slow.py", source=root))
-        time.sleep(1.0)
+        # The first job to cancel runs (it printed), so cancels reach running
+        # jobs as well as queued ones.
+        next(iter(jobs[3].stream_logs(follow=True)))
         for job in jobs[3::4]:
             job.cancel()
         for job in jobs:
             job.wait(timeout=60)
         assert {j.info.state for j in jobs[0::4]} == {"succeeded"}
         assert {j.info.exit_code for j in jobs[2::4]} == {-9}
-        time.sleep(1.0)
+        _settled(c)
         assert fds() - fds_before == set()
         assert threading.active_count() <= threads_before
     left = [
@@ -172,7 +184,7 @@ def test_a_zygote_that_dies_as_it_starts_is_not_made_again_for_every_job(
             job.wait(timeout=60)
             assert job.info.state == "succeeded", job.logs()
             starts.append(job.info.start)
-            time.sleep(0.1)  # the one made again has died too
+            _settled(c)  # the one made again has died too
     # Two at start (the worker's settings and its ranks'); made again once
     # or twice would do: not once per job.
     assert len(made) <= 4, (len(made), starts[-1])

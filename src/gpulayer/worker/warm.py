@@ -551,13 +551,17 @@ class Zygote:
         """Stop it; its children (tasks) are left to their boxes."""
         if self.proc is None:
             return  # it never started
+        # Read first: the reader calls it dead as soon as the socket is shut.
+        was_ready = self.state == "ready"
         with contextlib.suppress(OSError):
             self._control.shutdown(socket.SHUT_RDWR)
         self._control.close()
-        # A ready one leaves at once; one still in its imports would only
-        # see the end after them (seconds, with torch): not waited for.
+        if not was_ready:
+            # In its imports it would see the end only after them (seconds,
+            # with torch); stuck or dead, never: killed at once.
+            self.proc.kill()
         try:
-            self.proc.wait(timeout=0.5)
+            self.proc.wait(timeout=5.0)  # a ready one leaves as it reads the end
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()

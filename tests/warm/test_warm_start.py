@@ -13,9 +13,9 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,15 +84,6 @@ PROBE = textwrap.dedent(
         sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     """
 )
-
-
-@pytest.fixture
-def warm_client(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[gpulayer.Client]:
-    monkeypatch.setenv("GPULAYER_WARM", "ready")
-    monkeypatch.setenv("GPULAYER_PRELOAD", "")
-    with gpulayer.Client(home=home) as c:
-        c.ensure_local_workers(1, kill_grace=0.5)
-        yield c
 
 
 def _project(tmp_path: Path, source: str, name: str = "probe.py") -> Path:
@@ -241,7 +232,6 @@ def test_a_job_that_kills_the_zygote_keeps_its_exit_code_and_the_next_is_warm_ag
         tmp_path,
         "import os, signal, time\n"
         "os.kill(os.getppid(), signal.SIGKILL)\n"
-        "time.sleep(0.2)\n"
         "print('still here')\n"
         "raise SystemExit(5)\n",
         "killer.py",
@@ -356,3 +346,43 @@ def test_a_jobs_start_settings_never_make_a_zygote_but_thread_counts_and_the_lik
         )
     _all_ready(warm_client)
     assert {id(z) for w in workers for z in w._warm.zygotes} == before
+
+
+def test_a_warm_mode_that_is_none_of_them_is_refused_naming_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpulayer.errors import WorkerError
+
+    monkeypatch.setenv("GPULAYER_WARM", "yes; rm -rf /")
+    with pytest.raises(WorkerError, match=r"GPULAYER_WARM='yes; rm -rf /' is not one of 0, 1"):
+        warm.from_environment({}, warm=None, preload=None, eager=True)
+
+
+@pytest.mark.parametrize("preload", ["os;import shutil", "../evil", "torch,--", "a b"])
+def test_a_preload_that_is_no_module_name_is_refused_before_anything_starts(
+    tmp_path: Path, preload: str
+) -> None:
+    home = tmp_path / "worker-home"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpulayer.cli",
+            "--home",
+            str(home),
+            "--server",
+            "http://127.0.0.1:9",
+            "worker",
+            "start",
+            "--gpus",
+            "none",
+            "--preload",
+            preload,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "is not a module name" in done.stderr and "--preload" in done.stderr
+    assert not home.exists()  # no home made, no GPU claimed, no zygote started
