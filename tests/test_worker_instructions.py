@@ -597,3 +597,19 @@ def test_stop_twice_touches_nothing_the_second_time(home: Path) -> None:
             os.fstat(since.fileno())
     finally:
         embedded.close()
+
+
+def test_finished_task_folders_are_deleted_in_order_on_one_thread(tmp_path: Path) -> None:
+    from gpulayer.worker.workspace import Remover, make_spare
+
+    remover = Remover()
+    folders = [make_spare(tmp_path / f"task-{i}") for i in range(20)]
+    for folder in folders:
+        (folder / "workspace" / "big").write_bytes(b"x" * 4096)
+    threads_before = threading.active_count()
+    for folder in folders:
+        remover.remove(folder)
+    assert threading.active_count() <= threads_before + 1  # one deleting thread, not twenty
+    assert remover.wait(30)
+    assert [f for f in folders if f.exists()] == []
+    assert remover.wait(0)  # nothing handed over: done at once

@@ -77,6 +77,7 @@ def _settled(client: gpulayer.Client) -> None:
     for worker in client._embedded.workers:  # type: ignore[union-attr]
         with worker._tasks_lock:
             assert worker._idle.wait_for(lambda w=worker: not w._tasks, 60)
+        assert worker._remover.wait(60)  # their folders deleted
         if worker._warm is not None:
             worker._warm.wait_ready(60)
 

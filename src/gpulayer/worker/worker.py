@@ -55,7 +55,7 @@ from .task import TaskRun
 from .warden import Warden, open_stdio
 from .warm import WarmStarts
 from .warm import from_environment as warm_starts
-from .workspace import make_spare, reuse_if_empty
+from .workspace import Remover, make_spare, reuse_if_empty
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ class Worker:
         self._tasks: dict[tuple[str, int], TaskRun] = {}
         self._tasks_lock = threading.Lock()
         self._idle = threading.Condition(self._tasks_lock)
+        self._remover = Remover()
         self._stopping = threading.Event()
         # Why the worker cannot go on (the server refused its token), once it
         # cannot; ``on_give_up`` is told then (the CLI stops the worker).
@@ -693,9 +694,7 @@ class Worker:
         if spare != run.dir:
             # Off this thread: it may go on to supervise the next task, whose
             # pipes must not wait for a big workspace to be deleted.
-            threading.Thread(
-                target=shutil.rmtree, args=(run.dir,), kwargs={"ignore_errors": True}, daemon=True
-            ).start()
+            self._remover.remove(run.dir)
         with self._tasks_lock:
             if self._tasks.get(run.key) is run:  # not a newer task of the same key
                 del self._tasks[run.key]
@@ -780,6 +779,7 @@ class Worker:
             with self._registering, contextlib.suppress(GPUlayerError):
                 self._goodbye()
         if all_ended:
+            self._remover.wait(timeout)
             if self.tasks_dir is not None:
                 shutil.rmtree(self.tasks_dir, ignore_errors=True)
             if self._ledger is not None:

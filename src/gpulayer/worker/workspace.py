@@ -19,6 +19,9 @@ job that cannot write them (run as another Unix user; see ``link_blobs``).
 from __future__ import annotations
 
 import os
+import shutil
+import threading
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,3 +103,51 @@ def reuse_if_empty(task_dir: Path) -> Path | None:
     except OSError:
         pass
     return None
+
+
+class Remover:
+    """Deletes finished task folders off the supervising thread, one at a
+    time, on one thread made when there is work and ended when there is none.
+
+    A big workspace takes seconds to delete; the thread that supervised its
+    task goes on to the next one at once. :meth:`wait` returns when every
+    folder handed over is gone (a worker that stops, and tests that count
+    descriptors, wait for it).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._queue: deque[Path] = deque()
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    def remove(self, folder: Path) -> None:
+        with self._lock:
+            self._queue.append(folder)
+            if self._running:
+                return
+            self._running = True
+            self._thread = threading.Thread(target=self._run, name="gpulayer-remover", daemon=True)
+            self._thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True when nothing handed over is left to delete, and the thread
+        that deleted it has ended."""
+        with self._lock:
+            if not self._done.wait_for(lambda: not self._running, timeout):
+                return False
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    self._done.notify_all()
+                    return
+                folder = self._queue.popleft()
+            shutil.rmtree(folder, ignore_errors=True)
