@@ -10,8 +10,11 @@ noisy machine:
    from the worker's ready interpreter (the worker is started with
    ``GPULAYER_WARM=ready``, so it is made and waited for first;
    ``GPULAYER_PRELOAD`` as set, default torch and numpy);
+   it imports nothing, so it forks from the *light* zygote (no preload);
 2b. the same script job cold (``warm=False``), for comparison;
-   (1), (2), (2a) and (2b) alternate, and each reports the median of
+2c. where numpy is preloaded, a script job of ``import numpy`` and
+   ``print()``, warm: forked from the full zygote;
+   (1), (2), (2a), (2b) and (2c) alternate, and each reports the median of
    `--repeat` runs, its ratio to bare, and the quartiles of its ratio to the
    bare run just before it; each script job's record must say the start it
    was measured as (``warm``, or ``cold: <why>``), or the benchmark stops;
@@ -33,6 +36,7 @@ counted over HTTP from one client, with no worker taking them.
 
     python benchmarks/dispatch.py --jobs 40 --workers 4
     python benchmarks/dispatch.py --server --jobs 40 --workers 4
+    python benchmarks/dispatch.py --single --repeat 15    # (1)-(2c) only
 """
 
 from __future__ import annotations
@@ -59,10 +63,11 @@ import gpulayer
 
 NOOP = [sys.executable, "-c", "pass"]
 TRIVIAL_SCRIPT = "print()\n"
+FULL_SCRIPT = "import numpy\nprint()\n"  # preloaded: its fork is the full zygote's
 # Warm script job over bare `python -c pass`, at most: faster than starting
 # an interpreter at all (over HTTP, two requests' worth more).
 TARGET_WARM = {"embedded": 0.5, "server": 0.7}
-# What the workers of the single-job measure are started with (warm.py).
+# What the workers of the single-job measure are started with (warm/).
 WARM_READY = {"GPULAYER_WARM": "ready"}
 
 
@@ -129,16 +134,23 @@ def single(repeat: int) -> dict[str, Any]:
 def measure_single(client: gpulayer.Client, repeat: int, warm_target: float) -> dict[str, Any]:
     """Bare, one command job, the trivial script job warm and cold alternate
     on ``client``'s idle worker; medians of each."""
-    runs: dict[str, list[float]] = {"bare": [], "gpulayer": [], "warm": [], "cold_script": []}
-    stages: dict[str, list[dict[str, float]]] = {"gpulayer": [], "warm": [], "cold_script": []}
+    preload = os.environ.get("GPULAYER_PRELOAD", "torch,numpy")
     with tempfile.TemporaryDirectory(prefix="gpulayer-trivial-") as src:
-        script = Path(src) / "trivial.py"  # alone in its folder: a one-file bundle
+        (Path(src) / "light").mkdir()
+        (Path(src) / "full").mkdir()
+        script = Path(src) / "light" / "trivial.py"  # alone in its folder: a one-file bundle
         script.write_text(TRIVIAL_SCRIPT)
+        full = Path(src) / "full" / "numpy_trivial.py"
+        full.write_text(FULL_SCRIPT)
         jobs: dict[str, Callable[[], tuple[float, dict[str, float]]]] = {
             "gpulayer": lambda: gpulayer_once(client),
             "warm": lambda: script_once(client, script, warm=True),
             "cold_script": lambda: script_once(client, script, warm=False),
         }
+        if "numpy" in preload.split(","):
+            jobs["warm_full"] = lambda: script_once(client, full, warm=True)
+        runs: dict[str, list[float]] = {"bare": [], **{name: [] for name in jobs}}
+        stages: dict[str, list[dict[str, float]]] = {name: [] for name in jobs}
         for _ in range(3):  # warm up every path
             bare_once()
             for once in jobs.values():
@@ -163,7 +175,7 @@ def measure_single(client: gpulayer.Client, repeat: int, warm_target: float) -> 
         )
         out[f"{prefix}stages_ms"] = {k: round(v * 1e3, 3) for k, v in median_stages.items()}
     out["warm_ok"] = out["warm_ratio"] <= warm_target
-    out["preload"] = os.environ.get("GPULAYER_PRELOAD", "torch,numpy")
+    out["preload"] = preload
     return out
 
 
@@ -465,7 +477,7 @@ def script_rows(one: dict[str, Any], over: str) -> list[tuple[str, str, str]]:
     """The trivial script job's rows, warm against its target, and cold."""
     target = one["warm_target"]
     verdict = "met" if one["warm_ok"] else "NOT met"
-    return [
+    rows = [
         (
             f"trivial script job{over}, warm",
             f"{one['warm_ms']:.2f} ms",
@@ -477,6 +489,15 @@ def script_rows(one: dict[str, Any], over: str) -> list[tuple[str, str, str]]:
             ratio_note(one, "none, for comparison", "cold_script_"),
         ),
     ]
+    if "warm_full_ms" in one:
+        rows.append(
+            (
+                f"numpy script job{over}, warm (full zygote)",
+                f"{one['warm_full_ms']:.2f} ms",
+                ratio_note(one, "none, for comparison", "warm_full_"),
+            )
+        )
+    return rows
 
 
 def print_stages(one: dict[str, Any]) -> None:
@@ -484,7 +505,10 @@ def print_stages(one: dict[str, Any]) -> None:
         ("one job", "stages_ms"),
         ("the warm script job", "warm_stages_ms"),
         ("the cold script job", "cold_script_stages_ms"),
+        ("the numpy script job (full zygote)", "warm_full_stages_ms"),
     ):
+        if key not in one:
+            continue
         print(
             f"stages of {label} (median ms): " + ", ".join(f"{k} {v}" for k, v in one[key].items())
         )
@@ -496,11 +520,44 @@ def print_rows(rows: list[tuple[str, str, str]]) -> None:
         print(f"{name:<{width}}  {value:>14}  {note}")
 
 
+def single_only(args: argparse.Namespace, machine: str, one: dict[str, Any], over: str) -> None:
+    """``--single``: the single-job rows and stages, and their JSON."""
+    print_rows(
+        [
+            ("python -c pass (bare)", f"{one['bare_ms']:.2f} ms", ""),
+            (
+                f"one job{over}, submit -> wait()",
+                f"{one['gpulayer_ms']:.2f} ms",
+                ratio_note(one, "<= 1.20" if args.server else "<= 1.10"),
+            ),
+            *script_rows(one, over),
+        ]
+    )
+    print_stages(one)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(
+        json.dumps(
+            {
+                "machine": machine,
+                "mode": "server" if args.server else "embedded",
+                "args": vars(args) | {"json": str(args.json)},
+                "single": one,
+                "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+            },
+            indent=2,
+        )
+    )
+    print(f"wrote {args.json}", file=sys.stderr)
+
+
 def main_server(args: argparse.Namespace, machine: str) -> None:
     exit_on_sigterm()
     print("server mode: a server process and worker processes on 127.0.0.1", file=sys.stderr)
     print("measuring one job ...", file=sys.stderr)
     one = server_single(args.repeat)
+    if args.single:
+        single_only(args, machine, one, " over HTTP")
+        return
     print(f"measuring {args.jobs} jobs on {args.workers} worker processes ...", file=sys.stderr)
     burst = server_throughput(args.jobs, args.workers, args.rounds)
     print("measuring submits over HTTP ...", file=sys.stderr)
@@ -567,6 +624,11 @@ def main() -> None:
         "--prepare-mib", type=int, default=16, help="size of the input in the prepare measure"
     )
     parser.add_argument(
+        "--single",
+        action="store_true",
+        help="only the single-job measures (1 to 2c), embedded or with --server",
+    )
+    parser.add_argument(
         "--server",
         action="store_true",
         help="through a server process and worker processes on 127.0.0.1",
@@ -591,6 +653,9 @@ def main() -> None:
         return
     print("measuring one job ...", file=sys.stderr)
     one = single(args.repeat)
+    if args.single:
+        single_only(args, machine, one, "")
+        return
     print(f"measuring {args.jobs} jobs on {args.workers} workers ...", file=sys.stderr)
     burst = throughput(args.jobs, args.workers, args.rounds)
     print("measuring submits ...", file=sys.stderr)

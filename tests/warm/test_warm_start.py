@@ -99,6 +99,17 @@ def _all_ready(client: gpulayer.Client) -> None:
     assert all(w._warm is not None and w._warm.wait_ready(60) for w in workers)
 
 
+def _zygotes(client: gpulayer.Client) -> list[warm.Zygote]:
+    starts = client._embedded.workers[0]._warm  # type: ignore[union-attr]
+    assert starts is not None
+    return starts.zygotes
+
+
+def _has_light(client: gpulayer.Client) -> bool:
+    """Whether the worker keeps light zygotes (the "light" warm_client)."""
+    return any(z.light for z in _zygotes(client))
+
+
 def _paths_out(text: str) -> str:
     return re.sub(r"/task-\d+/", "/task-N/", text)
 
@@ -243,7 +254,10 @@ def test_a_job_that_kills_the_zygote_keeps_its_exit_code_and_the_next_is_warm_ag
     plain = _project(tmp_path, "print('ok')\n", "plain.py")
     after = _run(warm_client, plain, warm=True)
     assert after.info.state == "succeeded"
-    assert after.info.start is not None and "a new one is starting" in after.info.start
+    if _has_light(warm_client):  # the light one died: the full one serves meanwhile
+        assert after.info.start == "warm", after.info.start
+    else:
+        assert after.info.start is not None and "a new one is starting" in after.info.start
     _all_ready(warm_client)
     again = _run(warm_client, plain, warm=True)
     assert again.info.start == "warm" and again.logs().strip() == "ok"
@@ -302,7 +316,9 @@ def test_a_job_that_stops_the_zygote_only_makes_the_next_start_cold(
     warm_client: gpulayer.Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # SIGSTOP rather than a kill: the zygote lives, but answers no more.
-    monkeypatch.setattr(warm, "FORK_TIMEOUT_S", 0.5)
+    # Read where it is used: a child's "go" (warm.process), the zygote's answer (warm.handle).
+    monkeypatch.setattr(warm.process, "FORK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(warm.handle, "FORK_TIMEOUT_S", 0.5)
     stopper = _project(
         tmp_path,
         "import os, signal\nos.kill(os.getppid(), signal.SIGSTOP)\nprint('stopped it')\n",
@@ -313,7 +329,12 @@ def test_a_job_that_stops_the_zygote_only_makes_the_next_start_cold(
     plain = _project(tmp_path, "print('ok')\n", "plain.py")
     after = _run(warm_client, plain, warm=True)
     assert after.info.state == "succeeded" and after.logs().strip() == "ok"
-    assert after.info.start is not None and "the ready interpreter was ended" in after.info.start
+    if _has_light(warm_client):  # the light one was ended: the full one serves meanwhile
+        assert after.info.start == "warm", after.info.start
+    else:
+        assert (
+            after.info.start is not None and "the ready interpreter was ended" in after.info.start
+        )
     _all_ready(warm_client)  # the stuck one was ended, and is made again
     again = _run(warm_client, plain, warm=True)
     assert again.info.start == "warm", again.info.start

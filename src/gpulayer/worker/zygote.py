@@ -1,5 +1,5 @@
 """The ready interpreter: a Python that has imported the preload set and
-forks, on request, into a task's script (see ``warm.py``, the worker's side,
+forks, on request, into a task's script (see ``warm/``, the worker's side,
 and docs/adr/0023-warm-start.md).
 
 This file runs as a program (``python zygote.py FD PRELOAD``), never imported
@@ -15,6 +15,8 @@ Protocol (JSON lists, each framed by a 4-byte length; descriptors ride on
 the first byte of a frame; a child's last word is a line of text):
 
     worker -> zygote   ("fork",) + fd       fork a child that reads its task from fd
+                                            (asked ahead of any task: the child
+                                            waits for it, primed; see warm.Zygote)
     zygote -> worker   ("ready", info)      preloaded, single-threaded, forking
                        ("unready", why)     will not fork; exits
                        ("pid", pid)         the child forked for the last "fork"
@@ -31,7 +33,7 @@ import sys
 
 # What a cold interpreter has imported too, before the script's first line:
 # a module of another name in the script's folder is the script's to
-# import, and a warm start would not (see warm._shadowed).
+# import, and a warm start would not (see warm/starts.py, _shadowed).
 _STARTUP_MODULES = frozenset(sys.modules)
 
 if __name__ == "__main__":
@@ -165,6 +167,43 @@ def _first_calls() -> None:
         numpy_random.seed()
     for kind in (io.FileIO, io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper, io.BytesIO):
         issubclass(kind, io.IOBase)
+    # A process's first compile() sets up the parser and compiler: about
+    # 1 ms, which each child would pay again for its script. Compiled only.
+    compile(_WARM_UP, "<warm-up>", "exec", dont_inherit=True)
+
+
+_WARM_UP = """\
+import os.path as p, sys
+from os import sep as s
+@staticmethod
+def f(a, /, b=1, *c, d, **e) -> None:
+    global g
+    x = [i for i in c if i] + [*c]; y = {k: v for k, v in e.items()}
+    z = lambda q: (yield q) if q else f"{a!r:>{b}} {1.5e3}"
+    with open(a) as h, open(b):
+        pass
+    try:
+        assert a, b
+    except (ValueError, KeyError) as err:
+        raise RuntimeError() from err
+    finally:
+        del x
+    while a < b or not c:
+        break
+    for i, j in zip(c, c):
+        continue
+    return a if b else -d ** 2 // 3 % 4 @ e
+class C(object, metaclass=type):
+    x: int = 0
+    async def m(self):
+        async with self as a:
+            await a
+        async for _ in self:
+            pass
+match sys.argv:
+    case [str(n), *_] | {"k": n}:
+        pass
+"""
 
 
 def _base_path() -> list[str]:
@@ -315,6 +354,10 @@ class _Loop:
             send(self.control, ("unready", why))
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # What the loop made since is out of the child's collections too:
+        # they would write to (copy) its pages (see gc.freeze in main).
+        gc.collect()
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             ours.close()
@@ -354,27 +397,16 @@ def _child(
         spare.close()
         if not fds:
             os._exit(0)
-        channel_fd = fds[0]
-        os.setsid()
-        signal.set_wakeup_fd(-1)
-        for sig, handler in _SIGNALS.items():
-            if handler is not None:
-                try:
-                    signal.signal(sig, handler)
-                except (OSError, ValueError):
-                    continue
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        # Kept open while the script runs, out of the way of the descriptors
-        # it opens (a cold start's first is 3) and of what it executes.
-        high = fcntl.fcntl(channel_fd, fcntl.F_DUPFD_CLOEXEC, _CHANNEL_FD)
-        os.close(channel_fd)
-        channel = socket.socket(fileno=high)
+        # Connected to the worker now, which asked for it ahead of its task
+        # (warm.Zygote._prime): what does not depend on the task is done
+        # while it waits, off the task's start.
+        channel = _detach(fds[0])
         message, task_fds = receive(channel, max_fds=2, limit=1 << 28)
         if message is None or message[0] != "task" or len(task_fds) != 2:
             os._exit(1)  # the worker went away before sending it
         task = message[1]
         try:
-            script = _enter(task, task_fds, high, base)
+            script = _enter(task, task_fds, base)
         except OSError as e:
             send(channel, ("error", e.errno or 0, str(e)))
             os._exit(1)
@@ -392,13 +424,26 @@ def _child(
     os._exit(code)
 
 
-def _enter(task: dict[str, Any], task_fds: list[int], channel_fd: int, base: list[str]) -> str:
-    """Become the task's process, as ``Popen`` and a cold start would make it."""
-    out, err = task_fds
+def _detach(channel_fd: int) -> socket.socket:
+    """What ``Popen`` and a cold start give every task alike: its own
+    session, the signal dispositions and mask Python starts with, stdin
+    ``/dev/null`` and no other descriptor but the channel (kept open while
+    the script runs, out of the way of the descriptors it opens, a cold
+    start's first is 3, and of what it executes)."""
+    os.setsid()
+    signal.set_wakeup_fd(-1)
+    for sig, handler in _SIGNALS.items():
+        if handler is not None:
+            try:
+                signal.signal(sig, handler)
+            except (OSError, ValueError):
+                continue
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    high = fcntl.fcntl(channel_fd, fcntl.F_DUPFD_CLOEXEC, _CHANNEL_FD)
+    os.close(channel_fd)
     null = os.open(os.devnull, os.O_RDONLY)
-    for fd, target in ((null, 0), (out, 1), (err, 2)):
-        os.dup2(fd, target)
-    keep = {0, 1, 2, channel_fd}
+    os.dup2(null, 0)
+    keep = {0, 1, 2, high}
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd not in keep:
@@ -406,12 +451,24 @@ def _enter(task: dict[str, Any], task_fds: list[int], channel_fd: int, base: lis
                 os.close(fd)
             except OSError:
                 continue  # the listing's own descriptor, closed already
+    return socket.socket(fileno=high)
+
+
+def _enter(task: dict[str, Any], task_fds: list[int], base: list[str]) -> str:
+    """Become the task's process, as ``Popen`` and a cold start would make it."""
+    for fd, target in zip(task_fds, (1, 2), strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
     _dumpable(True)
     os.chdir(task["cwd"])
-    # The environment first: whatever runs next reads the task's.
-    os.environ.clear()
-    for key, value in task["env"]:  # bytes, carried as latin-1 text
-        os.environb[key.encode("latin-1")] = value.encode("latin-1")
+    # The environment first: whatever runs next reads the task's. What
+    # differs from the zygote's only (os.environ.clear() alone took 0.5 ms).
+    env = {k.encode("latin-1"): v.encode("latin-1") for k, v in task["env"]}  # bytes, as text
+    for key in [k for k in os.environb if k not in env]:
+        del os.environb[key]
+    for key, value in env.items():
+        if os.environb.get(key) != value:
+            os.environb[key] = value
     time.tzset()
     argv: list[str] = task["argv"]
     script = os.path.abspath(argv[1])
@@ -458,8 +515,22 @@ def _run(script: str, argv: list[str]) -> int:
         )
         sys.stderr.flush()
         return 2
+    compiled: types.CodeType | None
     try:
-        exec(compile(source, script, "exec", dont_inherit=True), main.__dict__)
+        compiled = compile(source, script, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError):
+        # CPython reads a script's file with a tokenizer of its own, whose
+        # words (and the line it shows) differ from compile()'s on bytes:
+        # a script that does not compile is left to a real interpreter, as
+        # cold. The process is the task's already: its pid, session,
+        # descriptors (the channel closes on exec), directory, environment.
+        with contextlib.suppress(OSError):
+            os.execv(sys.executable, sys.orig_argv)
+        compiled = None  # no interpreter to run: the error is reported below
+    try:
+        if compiled is None:
+            compiled = compile(source, script, "exec", dont_inherit=True)  # raises it again
+        exec(compiled, main.__dict__)
     except SystemExit as e:
         code = _exit_code(e)
     except BaseException as e:
@@ -523,19 +594,24 @@ def _close_files(main: types.ModuleType) -> None:
         main.__dict__.clear()
     gc.collect()
     left = []
+    ranks: dict[type, int | None] = {}  # each type's checked once (an ABC's check is slow)
     for obj in gc.get_objects():
         # type(), not isinstance(): that would read the object's own
         # __class__, which some run code for (torch's deprecated names warn).
         kind = type(obj)
-        if issubclass(kind, io.IOBase) and obj is not sys.stdout and obj is not sys.stderr:
-            if issubclass(kind, io.TextIOBase):
-                rank = 0
-            elif issubclass(kind, (io.BufferedWriter, io.BufferedReader, io.BufferedRandom)):
-                rank = 2
-            elif issubclass(kind, io.BufferedIOBase):
-                rank = 1  # gzip, bz2, lzma: over a buffer or file of their own
-            else:
-                rank = 3
+        if kind in ranks:
+            rank = ranks[kind]
+        elif not issubclass(kind, io.IOBase):
+            rank = ranks[kind] = None
+        elif issubclass(kind, io.TextIOBase):
+            rank = ranks[kind] = 0
+        elif issubclass(kind, (io.BufferedWriter, io.BufferedReader, io.BufferedRandom)):
+            rank = ranks[kind] = 2
+        elif issubclass(kind, io.BufferedIOBase):
+            rank = ranks[kind] = 1  # gzip, bz2, lzma: over a buffer or file of their own
+        else:
+            rank = ranks[kind] = 3
+        if rank is not None and obj is not sys.stdout and obj is not sys.stderr:
             left.append((rank, obj))
     for _, obj in sorted(left, key=lambda pair: pair[0]):
         if obj is sys.stdin:
