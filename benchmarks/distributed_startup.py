@@ -43,7 +43,7 @@ launchers' figures include as well).
 The jobs are run three ways: ``direct``, the direct launcher with a cold
 start (``warm=False``: each rank a new interpreter); ``warm``, the direct
 launcher with a warm start (each rank forked from the worker's ready
-interpreter, which has imported torch: see src/gpulayer/worker/warm.py); and
+interpreter, which has imported torch: see src/gpulayer/worker/warm/); and
 ``torchrun``. The benchmark sets ``GPULAYER_WARM=ready`` for the workers it
 starts, so that their ready interpreters are made, and waited for, before
 they take a job; ``GPULAYER_PRELOAD`` is left as it is (default: torch and

@@ -32,6 +32,21 @@ def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+@pytest.fixture(autouse=True)
+def _no_box_left_open() -> Iterator[None]:
+    """A test leaves no task's box open in this process's shared subreaper
+    containment: one left open would make the next test's worker reap
+    children of its host program born since (its ``since``)."""
+    yield
+    from gpulayer.worker import containment
+
+    shared = containment._SHARED.get(containment.SUBREAPER)
+    if shared is not None:
+        with shared._lock:  # type: ignore[attr-defined]
+            left = list(shared._open)  # type: ignore[attr-defined]
+        assert not left, f"{len(left)} task box(es) left open in the subreaper containment"
+
+
 @pytest.fixture
 def home(_isolated_home: Path) -> Path:
     return _isolated_home

@@ -92,3 +92,28 @@ def test_longpoll_benchmark_holds_a_few_workers(tmp_path: Path) -> None:
     (step,) = figures["steps"]  # type: ignore[misc]
     assert step["held"] and not step["errors"] and step["dropped"] == 0, step
     assert figures["largest_held"] == 20
+
+
+def test_placement_benchmark_runs(tmp_path: Path) -> None:
+    figures = _run(
+        tmp_path,
+        "placement.py",
+        "--jobs",
+        "2000",
+        "--projects",
+        "5",
+        "--workers",
+        "50",
+        "--repeat",
+        "1",
+        "--passes",
+        "3",
+    )
+    for scenario in ("one-frees", "all-idle"):
+        found = figures[scenario]
+        assert isinstance(found, dict)
+        assert found["fair_share_ms"] > 0 and found["baseline_ms"] > 0
+        placed = found["assignments_last_pass"]
+        assert placed["fair-share"] > 0 and placed["baseline"] > 0
+    queue = figures["queue"]
+    assert isinstance(queue, dict) and queue["add_remove_us"] > 0

@@ -28,6 +28,7 @@ JOB_KEYS = {
     "id",
     "name",
     "user",
+    "project",
     "state",
     "exit_code",
     "reason",
@@ -82,6 +83,7 @@ LOG_KEYS = {"schema", "seq", "time", "stream", "rank", "node", "text"}
 JOB_COLUMNS = [
     "ID",
     "USER",
+    "PROJECT",
     "NAME",
     "STATE",
     "EXIT",
@@ -155,8 +157,8 @@ def test_a_piped_table_cuts_nothing(home: Path) -> None:
     assert "…" not in out and "\x1b" not in out
     [row] = rows(out)
     assert len(row) == len(JOB_COLUMNS)
-    assert row[0] == job_id and row[2] == name and row[3] == "succeeded" and row[4] == "0"
-    assert row[9] == "-"  # a reason only for jobs that wait
+    assert row[0] == job_id and row[3] == name and row[4] == "succeeded" and row[5] == "0"
+    assert row[10] == "-"  # a reason only for jobs that wait
     # What a shell user types: grep finds the row, awk's first field is the id.
     assert [line for line in out.splitlines() if "succeeded" in line] == ["\t".join(row)]
     assert out.splitlines()[1].split()[0] == job_id
@@ -166,9 +168,9 @@ def test_a_piped_table_cuts_nothing(home: Path) -> None:
 
 def test_jobs_show_why_a_job_waits(home: Path, waiting: gpulayer.Job) -> None:
     [row] = rows(ok(gl("jobs", home=home)))
-    assert row[0] == waiting.id and row[3] == "queued"
+    assert row[0] == waiting.id and row[4] == "queued"
     reason = waiting.refresh().reason
-    assert reason and row[9] == escape(reason)
+    assert reason and row[10] == escape(reason)
     [listed] = json.loads(ok(gl("jobs", "--state", "queued", "--json", home=home)))
     assert listed["reason"] == reason and listed["state"] == "queued"
     assert f"why it waits: {escape(reason)}" in ok(gl("show", waiting.id, home=home))
@@ -315,12 +317,12 @@ def test_a_hostile_name_cannot_break_a_row_or_reach_the_terminal(home: Path) -> 
     job_id = job_id_of(gl("run", "--name", HOSTILE, "--", "true", home=home))
     out = ok(gl("jobs", home=home))
     [row] = rows(out)  # one line: the name split nothing
-    assert row[0] == job_id and row[3] == "succeeded"
-    assert row[2] == ("evil\\tname\\nnext\\r\\x1b]0;pwned\\x07[red]x[/]\\x1b[2J\\x9b31m\\u202eback")
+    assert row[0] == job_id and row[4] == "succeeded"
+    assert row[3] == ("evil\\tname\\nnext\\r\\x1b]0;pwned\\x07[red]x[/]\\x1b[2J\\x9b31m\\u202eback")
     for raw in ("\x1b", "\x07", "\x9b", "\r", "\u202e"):
         assert raw not in out
     shown = ok(gl("show", job_id, home=home))
-    assert f"name\t{row[2]}\n" in shown and "\x1b" not in shown
+    assert f"name\t{row[3]}\n" in shown and "\x1b" not in shown
     # Exact in JSON, and still not a byte a terminal acts on.
     for text in (ok(gl("jobs", "--json", home=home)), ok(gl("show", job_id, "--json", home=home))):
         assert text.isascii() and "\x1b" not in text
@@ -331,7 +333,7 @@ def test_a_hostile_name_cannot_break_a_row_or_reach_the_terminal(home: Path) -> 
     # typed, and its escape sequences arrive as text.
     listed, shown = on_a_terminal("jobs", home=home), on_a_terminal("show", job_id, home=home)
     assert "evil\\tname\\nnext" in listed and "succeeded" in listed  # the name cut to fit
-    assert f"{row[2]} " in shown  # shown whole: "[red]x[/]" as typed
+    assert f"{row[3]} " in shown  # shown whole: "[red]x[/]" as typed
     for raw in ("\x1b]0;", "\x1b[2J", "\x07", "\x9b", "\u202e"):
         assert raw not in listed and raw not in shown
 
@@ -375,7 +377,9 @@ def test_jobs_as_json_against_a_server(tmp_path: Path) -> None:
         assert listed["state"] == "queued" and listed["reason"]
         assert json.loads(ok(gl("show", job_id, "--json", server=url, token=token))) == listed
         [row] = rows(ok(gl("jobs", server=url, token=token)))
-        assert row[0] == job_id and row[2] == escape(HOSTILE) and row[9] == escape(listed["reason"])
+        assert (
+            row[0] == job_id and row[3] == escape(HOSTILE) and row[10] == escape(listed["reason"])
+        )
         assert json.loads(ok(gl("workers", "--json", server=url, token=token))) == []
     finally:
         server.stop()

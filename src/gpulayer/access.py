@@ -1,8 +1,11 @@
 """Who may see which jobs: the one rule every look at a job goes through.
 
-A job belongs to the user who submitted it (``JobInfo.user``). A
-:class:`Viewer` is whoever asks: a user sees that user's jobs; an admin, and
-the one local user of an embedded home, see every job. Each operation on a
+A job belongs to the user who submitted it (``JobInfo.user``) and to a
+project (``JobSpec.project``, see projects.py). A :class:`Viewer` is
+whoever asks: a user sees that user's jobs, and every job in the projects
+they belong to (not in the implicit default project: there a job is its
+user's alone); an admin, and the one local user of an embedded home, see
+every job. Each operation on a
 job (show, list, wait, logs, cancel, an id prefix, the ``also`` of a wait)
 asks :func:`may_see`, or has the store filter by :attr:`Viewer.only`, which
 is the same rule, and answers for a job it may not see exactly as for one
@@ -14,10 +17,12 @@ from __future__ import annotations
 import functools
 import getpass
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from . import defaults
 from .errors import GPUlayerError
+from .projects import DEFAULT_PROJECT
 
 MAX_USER_CHARS = 64
 # Letters, digits and . _ - @ + (an e-mail address is a user name); nothing
@@ -47,9 +52,19 @@ class Viewer:
         return None if self.admin else self.user
 
 
-def may_see(viewer: Viewer, user: str | None) -> bool:
-    """Whether ``viewer`` may see (and wait on, follow, cancel) a job of ``user``."""
-    return viewer.admin or (user is not None and user == viewer.user)
+def may_see(
+    viewer: Viewer,
+    user: str | None,
+    project: str | None = None,
+    projects: Collection[str] = (),
+) -> bool:
+    """Whether ``viewer``, a member of ``projects``, may see (and wait on,
+    follow, cancel) a job of ``user`` in ``project`` (None: the default)."""
+    return (
+        viewer.admin
+        or (user is not None and user == viewer.user)
+        or (project is not None and project != DEFAULT_PROJECT and project in projects)
+    )
 
 
 def sees_all(viewer: Viewer) -> bool:

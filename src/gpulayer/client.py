@@ -36,6 +36,7 @@ from .home import resolve_home
 from .ids import is_job_id
 from .jobs import QUEUED, RUNNING, JobInfo, LogLine, WorkerInfo
 from .outputs import UnsafeOutputError, shorten, tidy
+from .projects import ProjectUsage
 from .spec import ArtifactRef, JobSpec, check_input_name, parse_spec
 from .transport import Transport, check_job_filter
 
@@ -298,6 +299,10 @@ class Client:
         labels: Mapping[str, str] | None = None,
         retry_delay: float | None = None,
         warm: bool = True,
+        project: str | None = None,
+        preemptible: bool = False,
+        after: Sequence[Job | str] = (),
+        after_any: Sequence[Job | str] = (),
     ) -> Job:
         """Validate, store and place a job. Nothing is stored if the spec is bad.
 
@@ -308,6 +313,13 @@ class Client:
         ``defaults.RETRY_DELAY_MAX_S``; 0 retries at once).
         ``warm=False``: the script starts in a new interpreter, never forked
         from the worker's ready one (docs/performance.md, "Warm start").
+        ``project``: the project it goes into, one of its user's (default:
+        the user's first; docs/operations.md, "Projects and quotas").
+        ``preemptible``: it may be stopped for a job of higher priority and
+        queued again, without using a retry (docs/operations.md, "Preemption").
+        ``after``: jobs (or their ids) it waits for, to succeed: it is
+        cancelled, saying why, if one fails. ``after_any``: jobs it waits
+        for to end, whatever way (docs/scheduling.md, "Dependencies").
         """
         fields: dict[str, Any] = {
             "args": [str(a) for a in args] if not isinstance(args, str) else args,
@@ -328,6 +340,15 @@ class Client:
             fields["retry_delay"] = retry_delay
         if not warm:  # as retry_delay: only when asked for
             fields["warm"] = False
+        if project is not None:
+            fields["project"] = project
+        if preemptible:
+            fields["preemptible"] = True
+        for key, jobs in (("after", after), ("after_any", after_any)):
+            if isinstance(jobs, (str, Job)):
+                jobs = [jobs]
+            if jobs:
+                fields[key] = [j.id if isinstance(j, Job) else j for j in jobs]
         if command is not None:
             fields["command"] = (
                 [str(c) for c in command] if not isinstance(command, str) else command
@@ -567,6 +588,14 @@ class Client:
 
     def workers(self) -> list[WorkerInfo]:
         return self._transport.list_workers()
+
+    def usage(self) -> list[ProjectUsage]:
+        """Usage by project: GPU-hours over the last day and week, jobs
+        running and waiting, GPUs held and quotas. Against a server, the
+        projects your user belongs to, and your own jobs in the default
+        project (an admin token: every project); embedded, one row,
+        ``default``."""
+        return self._transport.usage()
 
 
 _LOCAL_SERIALS = itertools.count()  # numbers the local workers' names, in this process

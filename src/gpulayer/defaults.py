@@ -89,6 +89,13 @@ STDERR_TAIL_LINE_MAX = 1000
 RETRY_DELAY_S = 1.0
 RETRY_DELAY_MAX_S = 300.0
 
+# Fair share (scheduler.py): a project's usage is GPU-seconds, halved every
+# half-life (a day: yesterday's big run still counts, last week's hardly).
+FAIR_SHARE_HALF_LIFE_S = 86400.0
+# What holding a GPU now adds to its project's usage while ranking, so that
+# one placement pass shares free GPUs out between equal projects.
+FAIR_SHARE_ENTRY_S = 60.0
+
 # Cancel and timeout: SIGTERM, then this long to exit cleanly, then SIGKILL.
 KILL_GRACE_S = 10.0
 # After a job's main process exits, what it left running gets SIGTERM, and

@@ -9,6 +9,7 @@ import time
 
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"  # Crockford base32, lower case
 _ID = re.compile(f"[{_ALPHABET}]{{14}}")
+_ID_OR_PREFIX = re.compile(f"[{_ALPHABET}]{{1,14}}")
 _RAND_BITS = 25
 _lock = threading.Lock()
 _last = (0, 0)  # (millis, random part) of the last id made here
@@ -51,6 +52,17 @@ def new_id() -> str:
 def is_job_id(value: str) -> bool:
     """Whether ``value`` looks like an id GPUlayer makes."""
     return _ID.fullmatch(value) is not None
+
+
+def check_id_or_prefix(field: str, value: str) -> None:
+    """A job named as a person types it: its id, or the start of one."""
+    from .errors import SpecError
+
+    if not isinstance(value, str) or not _ID_OR_PREFIX.fullmatch(value):
+        shown = repr(value) if len(str(value)) <= 40 else repr(str(value)[:37] + "...")
+        raise SpecError(
+            field, f"a job id (or its start) is 1 to 14 characters of {_ALPHABET}, got {shown}"
+        )
 
 
 def check_id(field: str, value: str) -> None:

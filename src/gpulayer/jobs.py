@@ -173,6 +173,9 @@ class RunTask(msgspec.Struct, tag="run", kw_only=True, omit_defaults=True):
     # Rendezvous.
     node: int = 0
     master_addr: str | None = None
+    # What the job's last attempt left in its scratch folder, laid out in
+    # this one's ($GPULAYER_SCRATCH); None: an empty one.
+    scratch: ArtifactRef | None = None
 
 
 class Rendezvous(msgspec.Struct, tag="rendezvous", kw_only=True):
@@ -183,15 +186,20 @@ class Rendezvous(msgspec.Struct, tag="rendezvous", kw_only=True):
     master_port: int
 
 
-class CancelTask(msgspec.Struct, tag="cancel", kw_only=True):
+class CancelTask(msgspec.Struct, tag="cancel", kw_only=True, omit_defaults=True):
     job_id: str
     attempt: int
+    # Stopped to make room for a job of higher priority (scheduler rule 9):
+    # the task ends as "preempted", and its job goes back to the queue.
+    # Left out when False: a worker from before it reads it as a cancel.
+    preempt: bool = False
 
 
 Instruction = RunTask | CancelTask | Rendezvous
 
 # "returned": a stopping worker gave the task back without running it.
-Outcome = Literal["exited", "timed_out", "cancelled", "lost", "error", "returned"]
+# "preempted": stopped to make room for a job of higher priority.
+Outcome = Literal["exited", "timed_out", "cancelled", "lost", "error", "returned", "preempted"]
 
 
 class TaskStarted(msgspec.Struct, kw_only=True):
@@ -230,6 +238,9 @@ class TaskResult(msgspec.Struct, kw_only=True):
     cpu_s: float | None = None  # CPU seconds, user and system
     peak_memory: int | None = None  # bytes, page cache included
     start: str | None = None  # as TaskStarted's; where given, it replaces that one
+    # Node 0's scratch folder as it ended, stored, for the job's next attempt
+    # (only from an attempt that did not succeed, of a job that may run again).
+    scratch: ArtifactRef | None = None
 
 
 def clip_start(start: str | None) -> str | None:
@@ -290,6 +301,8 @@ def describe_failure(result: TaskResult) -> str | None:
             head += f"; {result.error}"
     elif result.outcome == "cancelled":
         head = "cancelled"
+    elif result.outcome == "preempted":
+        head = "preempted"
     elif result.outcome == "lost":
         head = result.error or "its worker stopped while it ran"
     elif result.outcome == "returned":

@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from .errors import SpecError
+from .errors import GPUlayerError, SpecError
+from .ids import check_id_or_prefix
 
 Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -39,6 +40,7 @@ MAX_SPEC_BYTES = 256 * 1024
 MAX_ENV_ITEMS = 1024
 MAX_PATH_CHARS = 4096  # a script or output path: PATH_MAX
 MAX_OUTPUTS = 1024
+MAX_DEPENDENCIES = 100  # jobs in after and after_any together
 MAX_INPUTS = 1024
 MAX_LABELS = 64
 MAX_LABEL_KEY_CHARS = 63
@@ -94,8 +96,21 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     name: str | None = None
     labels: dict[str, str] = {}
     # False: start cold, never forked from the worker's ready interpreter
-    # (see worker/warm.py). Left out of the JSON when True (omit_defaults).
+    # (see worker/warm/). Left out of the JSON when True (omit_defaults).
     warm: bool = True
+    # It may be stopped (SIGTERM, the worker's kill grace, SIGKILL) to make
+    # room for a job of higher priority, and queued again without using a
+    # retry; it gets GPULAYER_PREEMPT_NOTICE (the grace, in seconds).
+    preemptible: bool = False
+    # Jobs it waits for (ids, or their starts; stored as full ids): to
+    # succeed (``after``), or to end whatever way (``after_any``). It is
+    # cancelled, saying why, once one of ``after`` can no longer succeed.
+    after: list[str] = []
+    after_any: list[str] = []
+    # The project it is submitted into (projects.py); None: its user's
+    # first. The control plane stores the one it chose. Left out of the
+    # JSON when None, so a spec without it reads and compares as before.
+    project: str | None = None
 
     def __repr__(self) -> str:
         # Never a secret's value: not in a traceback, a log line or a test's diff.
@@ -164,6 +179,22 @@ def check_spec(spec: JobSpec) -> None:
     check_secrets(spec)
     if spec.name is not None and not spec.name.strip():
         raise SpecError("name", "must not be blank")
+    if len(spec.after) + len(spec.after_any) > MAX_DEPENDENCIES:
+        raise SpecError(
+            "after",
+            f"at most {MAX_DEPENDENCIES} jobs to wait for, got "
+            f"{len(spec.after) + len(spec.after_any)}",
+        )
+    for field, ids in (("after", spec.after), ("after_any", spec.after_any)):
+        for index, job_id in enumerate(ids):
+            check_id_or_prefix(f"{field}[{index}]", job_id)
+    if spec.project is not None:
+        from .projects import check_project_name
+
+        try:
+            check_project_name(spec.project)
+        except GPUlayerError as exc:
+            raise SpecError("project", str(exc)) from None
     _check_sizes(spec)
     if spec.nodes > MAX_NODES:
         raise SpecError("nodes", f"at most {MAX_NODES} nodes, got {spec.nodes}")

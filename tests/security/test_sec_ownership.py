@@ -332,6 +332,16 @@ def test_tokens_and_jobs_from_before_users_are_no_one_s_to_see(tmp_path: Path) -
     old_job = plane.submit(gpulayer.JobSpec(command=["true"]))
     store.close()
     db = sqlite3.connect(path)  # back to schema 8, as an older GPUlayer left it
+    db.execute("ALTER TABLE jobs DROP COLUMN scratch")  # migration 14
+    db.execute("DROP INDEX jobs_by_finished")  # migration 13
+    db.execute("DROP INDEX past_tasks_by_ended")
+    for column in ("finished", "began", "gpu_demand"):
+        db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
+    db.execute("ALTER TABLE past_tasks DROP COLUMN ended")
+    for table in ("projects", "project_members", "project_usage"):  # migration 12
+        db.execute(f"DROP TABLE {table}")
+    db.execute("DROP INDEX jobs_by_project")
+    db.execute("ALTER TABLE jobs DROP COLUMN project")
     db.execute("DROP INDEX jobs_by_user")
     db.execute("ALTER TABLE jobs DROP COLUMN user_name")
     db.execute("ALTER TABLE jobs DROP COLUMN start")  # migration 11

@@ -326,14 +326,25 @@ def test_a_script_job_run_as_nobody_writes_its_workspace_and_outputs(
     _worker(server, home, "--run-as", "nobody")
     project = tmp_path / "project"
     project.mkdir()
+    # Its first attempt leaves a snapshot in its scratch folder and fails;
+    # the second, on a folder laid out anew as the user's, finds it.
     (project / "train.py").write_text(
-        "import os\nos.makedirs('out', exist_ok=True)\n"
-        "open('out/who', 'w').write(str(os.getuid()))\nprint('wrote')\n"
+        "import os, pathlib, sys\nos.makedirs('out', exist_ok=True)\n"
+        "open('out/who', 'w').write(str(os.getuid()))\n"
+        "scratch = pathlib.Path(os.environ['GPULAYER_SCRATCH'])\n"
+        "if os.environ['GPULAYER_ATTEMPT'] == '1':\n"
+        "    (scratch / 'snap').write_text('kept')\n"
+        "    sys.exit(1)\n"
+        "(scratch / 'snap').write_text((scratch / 'snap').read_text() + ' and rewritten')\n"
+        "print('scratch', (scratch / 'snap').read_text())\nprint('wrote')\n"
     )
     with server.client() as client:
-        job = client.submit(project / "train.py", source=project, outputs=["out"])
+        job = client.submit(
+            project / "train.py", source=project, outputs=["out"], max_retries=1, retry_delay=0
+        )
         assert job.wait(timeout=120) == "succeeded", job.info.reason
         assert "out" in job.info.outputs
+        assert "scratch kept and rewritten" in job.logs()
 
 
 _WHO = """\

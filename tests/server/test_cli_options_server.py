@@ -42,3 +42,27 @@ def test_server_and_token_file_after_the_command(server: ServerProc, tmp_path: P
         timeout=60,
     )
     assert wrong.returncode == 2 and "not both" in wrong.stderr
+
+
+def test_a_bad_fair_share_half_life_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    for bad in ("0", "-1d", "soon", "20y"):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpulayer.cli",
+                "--home",
+                str(home),
+                "server",
+                "start",
+                "--fair-share-half-life",
+                bad,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, done.stderr
+        assert "--fair-share-half-life" in done.stderr and "is not a duration" in done.stderr
+        assert not home.exists()  # nothing was made

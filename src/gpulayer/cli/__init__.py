@@ -6,7 +6,7 @@ commands to the ``main`` group of ``root.py`` when imported here.
 
 from __future__ import annotations
 
-from . import actions, jobs, maintenance, run, server, tokens, worker, workers
+from . import actions, jobs, maintenance, projects, run, server, tokens, usage, worker, workers
 from .root import _main, main
 from .run import EXIT_CODES
 
@@ -17,9 +17,11 @@ __all__ = [
     "jobs",
     "main",
     "maintenance",
+    "projects",
     "run",
     "server",
     "tokens",
+    "usage",
     "worker",
     "workers",
 ]

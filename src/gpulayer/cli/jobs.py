@@ -15,6 +15,7 @@ import click
 from .. import defaults
 from ..client import Job
 from ..jobs import QUEUED, STATES, WARM, JobInfo, LogLine
+from ..projects import DEFAULT_PROJECT
 from . import output
 from .output import Column, Styled
 from .root import _client, main
@@ -26,6 +27,7 @@ _JSON_HELP = "Print JSON for scripts (see docs/json-output.md)."
 JOB_COLUMNS = (
     Column("ID"),
     Column("USER"),
+    Column("PROJECT"),
     Column("NAME", max_width=28),
     Column("STATE"),
     Column("EXIT"),
@@ -88,6 +90,7 @@ def _job_row(info: JobInfo) -> list[output.Cell]:
     return [
         info.id,
         info.user,
+        info.spec.project or DEFAULT_PROJECT,
         info.spec.name or _what(info.spec),
         _state(info.state),
         None if info.exit_code is None else str(info.exit_code),
@@ -132,6 +135,7 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
     rows: dict[str, output.Cell | int | float | None] = {
         "id": info.id,
         "user": info.user or "- (submitted before jobs had users, or by an admin without one)",
+        "project": spec.project or DEFAULT_PROJECT,
         "name": spec.name,
         "state": _state(info.state),
         "exit code": info.exit_code,

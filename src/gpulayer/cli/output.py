@@ -24,6 +24,7 @@ from typing import Any
 import click
 
 from ..jobs import MARKS, JobInfo, LogLine, TaskInfo, WorkerInfo
+from ..projects import DEFAULT_PROJECT
 from ..spec import ArtifactRef
 
 # The version of the objects `--json` prints. Within a version keys are only
@@ -178,6 +179,7 @@ def job_object(info: JobInfo) -> dict[str, Any]:
         "id": info.id,
         "name": spec.name,
         "user": info.user,
+        "project": spec.project or DEFAULT_PROJECT,
         "state": info.state,
         "exit_code": info.exit_code,
         "reason": info.reason,

@@ -42,6 +42,10 @@ SUBMIT_KEYS = (
     "name",
     "labels",
     "warm",
+    "project",
+    "preemptible",
+    "after",
+    "after_any",
 )
 
 
@@ -216,6 +220,28 @@ class _RunCommand(click.Command):
     help="Start the script in a new interpreter, not as a fork of the worker's ready one.",
 )
 @click.option("--name", help="A name for the job.")
+@click.option("--project", help="The project it goes into, one of yours (default: your first).")
+@click.option(
+    "--after",
+    "after",
+    multiple=True,
+    metavar="JOB",
+    help="Wait for this job to succeed (cancelled if it does not). Repeat for several.",
+)
+@click.option(
+    "--after-any",
+    "after_any",
+    multiple=True,
+    metavar="JOB",
+    help="Wait for this job to end, whatever way. Repeat for several.",
+)
+@click.option(
+    "--preemptible",
+    is_flag=True,
+    default=None,
+    help="It may be stopped for a job of higher priority, and queued again without "
+    "using a retry (it gets GPULAYER_PREEMPT_NOTICE).",
+)
 @click.option(
     "--workers",
     type=int,
@@ -284,11 +310,17 @@ def run(
         "retry_delay",
         "timeout",
         "name",
+        "project",
     ):
         if flags[key] is not None:
             fields[key] = flags[key]
     if flags["no_warm"]:
         fields["warm"] = False
+    if flags["preemptible"]:
+        fields["preemptible"] = True
+    for key in ("after", "after_any"):
+        if flags[key]:
+            fields[key] = [*fields.get(key, []), *flags[key]]
     client = _client(ctx)
     if not follow and ctx.obj["server"] is None:
         raise click.UsageError(

@@ -29,6 +29,14 @@ def server() -> None:
     show_default=True,
     help="Seconds of silence before a worker is declared lost.",
 )
+@click.option(
+    "--fair-share-half-life",
+    metavar="DURATION",
+    default="1d",
+    show_default=True,
+    envvar="GPULAYER_FAIR_SHARE_HALF_LIFE",
+    help="How fast a project's past GPU use is forgotten in fair share (90m, 12h, 1d, 2w).",
+)
 @click.pass_context
 def server_start(
     ctx: click.Context,
@@ -38,10 +46,17 @@ def server_start(
     tls_cert: str | None,
     tls_key: str | None,
     heartbeat_timeout: float,
+    fair_share_half_life: str,
 ) -> None:
     """Serve the API; state lives in the GPUlayer home."""
+    from ..durations import parse_duration
     from ..home import resolve_home
     from ..http.server import Server
+
+    try:
+        half_life = parse_duration(fair_share_half_life)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--fair-share-half-life") from None
 
     srv = Server(
         resolve_home(ctx.obj["home"]),
@@ -51,6 +66,7 @@ def server_start(
         tls_cert=tls_cert,
         tls_key=tls_key,
         heartbeat_timeout=heartbeat_timeout,
+        fair_share_half_life=half_life,
     )
     sock = srv.bind()
     # Said once it listens: whoever started it may connect as soon as it reads this.

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from starlette.responses import FileResponse
 
@@ -37,6 +38,7 @@ from ..jobs import (
     TaskResult,
     TaskStarted,
 )
+from ..projects import ProjectNotFound
 from ..service import ControlPlane
 from ..service.blobs import worker_reader
 from ..service.state import Delivery
@@ -70,6 +72,8 @@ from .schemas import (
     BlobList,
     HeartbeatRequest,
     LogBatch,
+    ProjectQuotaRequest,
+    ProjectRequest,
     RegisterRequest,
     RendezvousReport,
     SubmitRequest,
@@ -81,6 +85,7 @@ from .schemas import (
 
 log = logging.getLogger(__name__)
 _MAX_CACHED_TOKENS = 10_000
+T = TypeVar("T")
 
 
 class Api:
@@ -157,7 +162,7 @@ class Api:
                 return error_response(error.status, str(error), error.retry_after)
             except SpecError as exc:
                 return json_response({"error": str(exc), "field": exc.field}, 422)
-            except JobNotFoundError as exc:
+            except (JobNotFoundError, ProjectNotFound) as exc:
                 return error_response(404, str(exc))
             except InvalidStateError as exc:
                 return error_response(409, str(exc))
@@ -599,6 +604,45 @@ class Api:
         log.info("token %s (%s) revoked", token_id, role)
         return Response(status=204)
 
+    # ---- projects (admin) ----
+
+    async def create_project(self, request: Request) -> Response:
+        body = await read_body(request, ProjectRequest)
+        made = _given(
+            lambda: self.plane.create_project(body.name, gpus=body.gpus, slots=body.slots)
+        )
+        log.info("project %s created", made.name)
+        return json_response(made, 201)
+
+    async def list_projects(self, request: Request) -> Response:
+        return json_response(self.plane.list_projects())
+
+    async def set_project_quota(self, request: Request) -> Response:
+        body = await read_body(request, ProjectQuotaRequest)
+        name = request.path_params["name"]
+        return json_response(
+            _given(lambda: self.plane.set_project_quota(name, gpus=body.gpus, slots=body.slots))
+        )
+
+    async def add_project_member(self, request: Request) -> Response:
+        name, user = request.path_params["name"], request.path_params["user"]
+        return json_response(_given(lambda: self.plane.add_project_member(name, user)))
+
+    async def remove_project_member(self, request: Request) -> Response:
+        name, user = request.path_params["name"], request.path_params["user"]
+        return json_response(_given(lambda: self.plane.remove_project_member(name, user)))
+
+    async def delete_project(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        _given(lambda: self.plane.delete_project(name))
+        log.info("project %s deleted", name)
+        return Response(status=204)
+
+    # ---- usage (any user: the rows it may see) ----
+
+    async def usage(self, request: Request) -> Response:
+        return json_response(self.plane.usage(viewer_of(request)))
+
     def _caller(self, header: str) -> auth.Caller:
         """Who the token in ``header`` is, or AuthError(401). An expired
         token's workers go, as a revoked one's."""
@@ -630,13 +674,25 @@ class Api:
         return json_response({"ok": True})
 
     async def metrics_text(self, request: Request) -> Response:
-        body, content_type = self.metrics.render()
+        # The projects' figures: those the caller may see (as /api/v1/usage).
+        body, content_type = self.metrics.render(viewer_of(request))
         return Response(body, media_type=content_type)
 
     async def openapi(self, request: Request) -> Response:
         from .openapi import document
 
         return json_response(document())
+
+
+def _given(call: Callable[[], T]) -> T:
+    """A project operation. What it refuses in what it was given (a name, a
+    user, a quota; nothing changed) is a 422, as a body that does not decode."""
+    try:
+        return call()
+    except (ProjectNotFound, InvalidStateError, StoreError):
+        raise  # 404, 409, 503
+    except GPUlayerError as exc:
+        raise ApiError(422, str(exc)) from None
 
 
 def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: bool = True) -> App:
@@ -674,6 +730,13 @@ def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: b
         ("POST", f"{v1}/tokens", g((), api.create_token)),
         ("GET", f"{v1}/tokens", g((), api.list_tokens)),
         ("DELETE", f"{v1}/tokens/{{token_id}}", g((), api.revoke_token)),
+        ("POST", f"{v1}/projects", g((), api.create_project)),
+        ("GET", f"{v1}/projects", g((), api.list_projects)),
+        ("PATCH", f"{v1}/projects/{{name}}", g((), api.set_project_quota)),
+        ("DELETE", f"{v1}/projects/{{name}}", g((), api.delete_project)),
+        ("PUT", f"{v1}/projects/{{name}}/members/{{user}}", g((), api.add_project_member)),
+        ("DELETE", f"{v1}/projects/{{name}}/members/{{user}}", g((), api.remove_project_member)),
+        ("GET", f"{v1}/usage", g(user, api.usage)),
     ]
     app = App(endpoints)
     app.state["api"] = api

@@ -9,6 +9,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from ..access import Viewer
 from ..jobs import STATES, Instruction, RunTask
 from ..service import ControlPlane
 
@@ -38,8 +39,55 @@ class _PlaneCollector(Collector):
         )
 
 
+class _ProjectCollector(Collector):
+    """Each project's figures, as ``gpulayer usage`` shows them to ``viewer``:
+    collected per request, since who asks decides which projects appear."""
+
+    def __init__(self, plane: ControlPlane, viewer: Viewer) -> None:
+        self.plane = plane
+        self.viewer = viewer
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        rows = self.plane.usage(self.viewer)
+        held = GaugeMetricFamily(
+            "gpulayer_project_gpus_held", "GPUs its running jobs hold now", labels=["project"]
+        )
+        jobs = GaugeMetricFamily(
+            "gpulayer_project_jobs", "Its jobs running and queued now", labels=["project", "state"]
+        )
+        hours = GaugeMetricFamily(
+            "gpulayer_project_gpu_hours",
+            "GPU-hours its jobs held over the last 24 hours (window 24h) and 7 days (7d)",
+            labels=["project", "window"],
+        )
+        fair = GaugeMetricFamily(
+            "gpulayer_project_fair_share_usage_gpu_seconds",
+            "Its recent usage for fair share: weighted GPU-seconds halved every half-life",
+            labels=["project"],
+        )
+        quota = GaugeMetricFamily(
+            "gpulayer_project_gpu_quota",
+            "The most GPUs its running jobs may hold (only projects with a quota)",
+            labels=["project"],
+        )
+        # prometheus_client escapes label values (\\, \", \n) as the text
+        # format asks; a project name holds none of them anyway.
+        for row in rows:
+            held.add_metric([row.project], row.gpus_held)
+            jobs.add_metric([row.project, "running"], row.running)
+            jobs.add_metric([row.project, "queued"], row.waiting)
+            hours.add_metric([row.project, "24h"], row.gpu_hours_day)
+            hours.add_metric([row.project, "7d"], row.gpu_hours_week)
+            if row.fair_share_usage is not None:
+                fair.add_metric([row.project], row.fair_share_usage)
+            if row.gpu_quota is not None:
+                quota.add_metric([row.project], row.gpu_quota)
+        yield from (held, jobs, hours, fair, quota)
+
+
 class Metrics:
     def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
         self.registry = CollectorRegistry()
         self.registry.register(_PlaneCollector(plane))
         self.dispatch = Histogram(
@@ -54,5 +102,8 @@ class Metrics:
             if isinstance(item, RunTask) and item.placed:
                 self.dispatch.observe(max(0.0, now - item.placed))
 
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, viewer: Viewer) -> tuple[bytes, str]:
+        """The text for ``viewer``: the fleet's figures, then the projects it may see."""
+        projects = CollectorRegistry()
+        projects.register(_ProjectCollector(self.plane, viewer))
+        return generate_latest(self.registry) + generate_latest(projects), CONTENT_TYPE_LATEST

@@ -9,13 +9,17 @@ from typing import Any
 import msgspec
 
 from .. import __version__, defaults
+from ..access import USER_PATTERN
 from ..jobs import STATES, Instruction, JobInfo, LogChunk, TaskResult, TaskStarted, WorkerInfo
+from ..projects import DEFAULT_PROJECT, PROJECT_PATTERN, ProjectInfo, ProjectUsage
 from ..spec import Digest
 from .auth import ID_LENGTH
 from .schemas import (
     BlobList,
     HeartbeatRequest,
     LogBatch,
+    ProjectQuotaRequest,
+    ProjectRequest,
     RegisterRequest,
     RendezvousReport,
     SubmitRequest,
@@ -33,7 +37,13 @@ _CURSOR = {"type": "integer", "minimum": 0, "maximum": 1 << 62}
 _GEN = {"type": "integer", "minimum": 0, "maximum": (1 << 63) - 1}
 _DIGEST = msgspec.json.schema(Digest)
 _TOKEN_ID = {"type": "string", "pattern": f"^[0-9a-f]{{{ID_LENGTH}}}$"}
-_PATH_PARAMS = {"{digest}": _DIGEST, "{token_id}": _TOKEN_ID}  # the others: any string
+_PATH_PARAMS = {  # the others: any string
+    "{digest}": _DIGEST,
+    "{token_id}": _TOKEN_ID,
+    # A project's: any but the implicit one's, which is reserved (422).
+    "{name}": {"type": "string", "pattern": PROJECT_PATTERN, "not": {"const": DEFAULT_PROJECT}},
+    "{user}": {"type": "string", "pattern": USER_PATTERN},
+}
 _MIB = 2**20
 
 # (method, path, summary, request body type, response type, query parameters)
@@ -223,6 +233,65 @@ _ROUTES: list[tuple[str, str, str, Any, Any, _Q]] = [
         None,
         {},
     ),
+    (
+        "post",
+        "/api/v1/projects",
+        "Create a project, with quotas of GPUs and CPU slots (null or absent: no limit); "
+        "409 if one has that name (admin)",
+        ProjectRequest,
+        ProjectInfo,
+        {},
+    ),
+    (
+        "get",
+        "/api/v1/projects",
+        "List projects, oldest first, with their quotas and members (admin)",
+        None,
+        list[ProjectInfo],
+        {},
+    ),
+    (
+        "patch",
+        "/api/v1/projects/{name}",
+        "Change a project's quotas: a number, null for no limit; one left out stays "
+        "(admin). It takes effect at the next placement; no running job is stopped",
+        ProjectQuotaRequest,
+        ProjectInfo,
+        {},
+    ),
+    (
+        "delete",
+        "/api/v1/projects/{name}",
+        "Delete a project; 409 while a job in it is queued or running (admin)",
+        None,
+        None,
+        {},
+    ),
+    (
+        "put",
+        "/api/v1/projects/{name}/members/{user}",
+        "Add a user to a project; one already in it stays (admin)",
+        None,
+        ProjectInfo,
+        {},
+    ),
+    (
+        "delete",
+        "/api/v1/projects/{name}/members/{user}",
+        "Take a user out of a project; 404 if not in it (admin)",
+        None,
+        ProjectInfo,
+        {},
+    ),
+    (
+        "get",
+        "/api/v1/usage",
+        "Usage by project: GPU-hours over the last day and week, jobs running and waiting, "
+        "GPUs held, quotas (a user: their projects', and their own jobs in the default one)",
+        None,
+        list[ProjectUsage],
+        {},
+    ),
     ("get", "/healthz", "Liveness", None, None, {}),
 ]
 
@@ -261,6 +330,7 @@ def document() -> dict[str, Any]:
         }
         for role in ("user", "worker")
     ]
+    components["ProjectRequest"]["properties"]["name"]["not"] = {"const": DEFAULT_PROJECT}
     for component in components.values():
         _bound_integers(component)
     paths: dict[str, dict[str, Any]] = {}
@@ -309,8 +379,8 @@ def document() -> dict[str, Any]:
         ok = (
             "201"
             if method in ("post", "put")
-            and resp in (SubmitRequest, JobInfo, WorkerInfo, TokenResponse)
-            and path in ("/api/v1/jobs", "/api/v1/workers", "/api/v1/tokens")
+            and resp in (SubmitRequest, JobInfo, WorkerInfo, TokenResponse, ProjectInfo)
+            and path in ("/api/v1/jobs", "/api/v1/workers", "/api/v1/tokens", "/api/v1/projects")
             else "200"
         )
         if resp is bytes:

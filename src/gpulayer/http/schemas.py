@@ -9,6 +9,7 @@ import msgspec
 from .. import defaults
 from ..access import USER_PATTERN
 from ..jobs import JobInfo, LogLine, WorkerInfo
+from ..projects import MAX_QUOTA, PROJECT_PATTERN
 from ..spec import JobSpec
 
 
@@ -77,6 +78,24 @@ class TokenRequest(msgspec.Struct, forbid_unknown_fields=True):
     ) = None
     # Seconds from now until it is refused (None: never); at most ten years.
     expires_in: Annotated[float, msgspec.Meta(gt=0, le=10 * 365 * 86400)] | None = None
+
+
+# A quota as a body gives it: a whole number of GPUs or slots, or null for no limit.
+Quota = Annotated[int, msgspec.Meta(ge=0, le=MAX_QUOTA)] | None
+
+
+class ProjectRequest(msgspec.Struct, forbid_unknown_fields=True):
+    # Checked by projects.check_project_name, to say what is wrong in words.
+    name: Annotated[str, msgspec.Meta(extra_json_schema={"pattern": PROJECT_PATTERN})]
+    gpus: Quota = None
+    slots: Quota = None
+
+
+class ProjectQuotaRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A quota left out stays as it is; null: no limit."""
+
+    gpus: Quota | msgspec.UnsetType = msgspec.UNSET
+    slots: Quota | msgspec.UnsetType = msgspec.UNSET
 
 
 class TokenResponse(msgspec.Struct):

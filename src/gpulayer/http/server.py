@@ -100,6 +100,7 @@ class Server:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         heartbeat_timeout: float = defaults.HEARTBEAT_TIMEOUT_S,
+        fair_share_half_life: float = defaults.FAIR_SHARE_HALF_LIFE_S,
     ) -> None:
         if not host.strip():
             raise GPUlayerError(
@@ -123,7 +124,9 @@ class Server:
         self.home.claim_instance(self.instance_id)
         self.store = SqliteStore(self.home.db, exclusive=True)
         self.artifacts = ArtifactStore(self.home.artifacts)
-        self.plane = ControlPlane(self.store, instance_id=self.instance_id)
+        self.plane = ControlPlane(
+            self.store, instance_id=self.instance_id, fair_share_half_life=fair_share_half_life
+        )
         recovered = self._recover()
         if recovered:
             log.info("took over %d job(s) from the previous server process", len(recovered))

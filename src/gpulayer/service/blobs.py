@@ -40,8 +40,8 @@ from ..access import Viewer, sees_all
 from ..artifacts import ArtifactStore
 from ..errors import GPUlayerError, SpecError
 from ..jobs import TaskResult
-from ..spec import JobSpec
-from .core import PlaneCore
+from ..spec import ArtifactRef, JobSpec
+from .core import PlaneCore, log
 from .state import Running
 
 # What is remembered of the rights in the store (never taken back, so never
@@ -191,6 +191,33 @@ class BlobReaders(PlaneCore):
                 digests.update(proved({e.digest for e in entries if e.digest is not None}))
         if digests:
             self.grant_to(user, digests)
+
+    def _proved_scratch(self, result: TaskResult) -> ArtifactRef | None:
+        """``result.scratch`` if its worker proved it holds the folder and
+        every file in it (its own uploads, as for outputs; a worker an
+        admin's token registered is trusted): else None, and the job's
+        next attempt gets the scratch kept before. A worker cannot name
+        another job's blobs for its job's next attempt, on another worker,
+        to read."""
+        ref = result.scratch
+        if ref is None or ref.kind != "dir":
+            return None
+        artifacts, uploader = self._outputs_from, self._uploader
+        if artifacts is None:
+            return ref  # no rights kept (embedded, no auth): one user, every blob
+        prover = uploader(result.worker_id) if uploader is not None else None
+        try:
+            entries = bundle.load(artifacts, ref.digest).entries
+        except GPUlayerError:
+            return None  # not stored, or no manifest
+        wanted = {ref.digest} | {e.digest for e in entries if e.digest is not None}
+        if prover is not None and set(self.readable_by(prover, wanted)) != wanted:
+            log.warning(
+                "worker %s named a scratch folder it did not upload; kept the one before",
+                result.worker_id,
+            )
+            return None
+        return ref
 
 
 def _not_here(digest: str) -> str:

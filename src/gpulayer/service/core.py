@@ -10,7 +10,6 @@ method here is called with ``self._lock`` held.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import heapq
 import logging
@@ -24,9 +23,11 @@ import msgspec
 
 from .. import defaults, jobs
 from ..errors import StoreError
+from ..fairshare import Accounts
 from ..jobs import CancelTask, JobInfo, LogLine, RunTask, TaskResult
 from ..outputs import UnsafeOutputError, check_result
-from ..scheduler import Assignment, Request, place, retry_wait
+from ..projects import DEFAULT_PROJECT, Memberships
+from ..scheduler import Assignment, Quota, Shares, Victim, Waiting, place, preempt, retry_wait
 from ..secretbox import SecretBox, redacted
 from ..signals import Signal
 from ..store import Store, Transaction
@@ -41,6 +42,7 @@ from .state import (
     decisive,
     failures,
     never_taken,
+    request_of,
     task_infos,
 )
 
@@ -51,6 +53,8 @@ log = logging.getLogger(__name__)
 _RETRY_TIMER_MIN_S = 0.01
 # After the store refused placing what a back-off released, try again in this.
 _RETRY_STORE_AGAIN_S = 1.0
+# The projects' usage is stored at most this often (see _save_usage).
+_USAGE_SAVE_S = 60.0
 # The reason a retry's log line gives is cut to this many characters.
 _RETRY_WHY_MAX = 200
 
@@ -64,6 +68,7 @@ class PlaneCore:
         clock: Callable[[], float] = time.time,
         kill_orphan: Callable[[int, float | None], None] | None = None,
         secrets: SecretBox | None = None,
+        fair_share_half_life: float = defaults.FAIR_SHARE_HALF_LIFE_S,
     ) -> None:
         self.store = store
         # Seals jobs' secrets before they are stored, opens them for their
@@ -78,9 +83,27 @@ class PlaneCore:
         self._taking: str | None = None
         self._logs: dict[str, Signal] = {}  # job id -> followers of its logs
         self._queue: dict[str, Pending] = {}
-        # The queue's keys in rank order, so placement reads only its head.
-        self._order: list[tuple[int, int, str]] = []
+        # The queue by project and shape in rank order, so placement reads
+        # only the heads (scheduler.Waiting).
+        self._waiting = Waiting()
         self._running: dict[str, Running] = {}
+        # The running jobs marked preemptible, and the workers held for the
+        # waiting job that preempted jobs on them make room for (rule 9).
+        self._preemptible: set[str] = set()
+        self._held_for: dict[str, str] = {}
+        # Dependencies (see dependencies.py): each held-back job's jobs not
+        # final yet, and the reverse; jobs ended lately whose dependents the
+        # next pass sees to; jobs to cancel there, with why.
+        self._unmet: dict[str, set[str]] = {}
+        self._dependents: dict[str, set[str]] = {}
+        self._settle: set[str] = set()
+        self._doomed: dict[str, str] = {}
+        # Who belongs to which project, and each project's quota (the
+        # store's record, kept here: every look at a job asks it).
+        self._memberships = Memberships(store.list_projects(), store.project_members())
+        # Each project's recent usage and what it holds, for fair share.
+        self._accounts = Accounts(fair_share_half_life, store.load_usage())
+        self._usage_saved = clock()
         self._workers: dict[str, LiveWorker] = {}
         self._done: dict[str, Done] = {}
         # The final records of the jobs that ended here lately: a client
@@ -116,14 +139,22 @@ class PlaneCore:
         # (the others were then ended): the job could not run, through no
         # fault of its own. It goes again, under a new attempt number (the
         # old one may still be on its way from other workers), uncounted.
-        given_back = run.given_back + (1 if result.outcome == "returned" else 0)
-        state, again = jobs.next_state(
-            result,
-            cancel_requested=cancel,
-            attempt=run.attempt - given_back,
-            max_retries=run.spec.max_retries,
-        )
+        # A job preempted goes again too, uncounted (unless it was being
+        # cancelled as well: then the cancel wins).
+        preempted = result.outcome == "preempted" and not cancel
+        given_back = run.given_back + (1 if result.outcome == "returned" or preempted else 0)
+        if preempted:
+            state, again = jobs.QUEUED, True
+        else:
+            state, again = jobs.next_state(
+                result,
+                cancel_requested=cancel,
+                attempt=run.attempt - given_back,
+                max_retries=run.spec.max_retries,
+            )
         reason = "cancelled" if state == jobs.CANCELLED else jobs.describe_failure(result)
+        if preempted:
+            reason = f"preempted for job {run.preempted_for}" if run.preempted_for else "preempted"
         marks = dict(result.marks)
         if len(run.tasks) > 1:
             # Its stages span every node: started when the last started,
@@ -165,9 +196,13 @@ class PlaneCore:
                         owner=self.instance_id,
                         given_back=given_back,
                         retry_at=retry_at,
+                        at=now,
+                        scratch=run.scratch,
                     )
                     if retry_at is not None:
                         self._say_retry(tx, job_id, run, reason or state, retry_at - now, now)
+                    elif preempted:
+                        self._say_preempted(tx, job_id, run, now)
                 else:
                     tx.finish(
                         job_id,
@@ -331,7 +366,8 @@ class PlaneCore:
     def _enqueue(self, pending: Pending) -> None:
         req = pending.request
         self._queue[req.job_id] = pending
-        bisect.insort(self._order, (-req.priority, req.seq, req.job_id))
+        if not self._held_back(pending):
+            self._waiting.add(req)
         if req.not_before > self._clock():
             self._arm_retry(req.not_before)
 
@@ -366,11 +402,12 @@ class PlaneCore:
             while self._wakeups and self._wakeups[0] <= now:
                 heapq.heappop(self._wakeups)
             try:
+                self._settle_dependencies(now)
                 assignments = self._plan()
                 if assignments:
                     with self.store.transaction() as tx:
                         self._record(tx, assignments, now)
-                    self._dispatch(assignments, now)
+                self._dispatch(assignments, now)
             except StoreError as exc:
                 log.warning(
                     "placing jobs whose retry back-off ended failed: %s; trying again in %g s",
@@ -396,9 +433,13 @@ class PlaneCore:
 
     def _dequeue(self, job_id: str) -> Pending:
         pending = self._queue.pop(job_id)
-        req = pending.request
-        key = (-req.priority, req.seq, job_id)
-        del self._order[bisect.bisect_left(self._order, key)]
+        if job_id in self._waiting:
+            self._waiting.remove(job_id)
+        else:  # held back for its dependencies
+            for dep in self._unmet.pop(job_id, ()):
+                self._dependents.get(dep, set()).discard(job_id)
+        if job_id in self._held_for.values():  # placed, or gone: the workers are free to all
+            self._held_for = {w: j for w, j in self._held_for.items() if j != job_id}
         return pending
 
     def _open_workers(self) -> list[LiveWorker]:
@@ -410,8 +451,82 @@ class PlaneCore:
         caps = [w.capacity() for w in self._open_workers() if w.free]
         if not caps:
             return []
-        requests = (self._queue[key[2]].request for key in self._order)
-        return place(requests, caps, self._clock())
+        now = self._clock()
+        return place(self._waiting, caps, now, self._shares(now), self._held_for)
+
+    def _shares(self, now: float) -> Shares:
+        """Quotas, holdings and usage by project, for placement."""
+        quotas = {
+            p.name: Quota(p.gpus, p.slots)
+            for p in self._memberships.all()
+            if p.gpus is not None or p.slots is not None
+        }
+        return Shares(quotas, self._accounts.held, self._accounts.usage(now))
+
+    def _quota_changed(self) -> None:
+        """A project's quota changed: what it allows now is placed at once
+        (a lower quota stops nothing; it holds back what comes next)."""
+        with self._lock:
+            now = self._clock()
+            assignments = self._plan()
+            if assignments:
+                with self.store.transaction() as tx:
+                    self._record(tx, assignments, now)
+            self._dispatch(assignments, now)
+
+    def _began(self, job_id: str, run: Running) -> None:
+        """``run`` holds its slots from now (placed, or taken over)."""
+        self._running[job_id] = run
+        self._accounts.start(_project(run), _demand(run), self._clock())
+        if run.spec.preemptible:
+            self._preemptible.add(job_id)
+
+    def _preempt(self, now: float) -> None:
+        """Rule 9: stop the preemptible jobs that make room for the
+        highest-ranked job waiting for it, and hold their workers for it."""
+        if not self._preemptible or not self._queue:
+            return
+        victims = []
+        for job_id in self._preemptible:
+            run = self._running[job_id]
+            if run.preempted_for is None and not run.cancel_requested:
+                slots = {t.worker_id: t.slots for t in run.tasks if not t.ended}
+                victims.append(
+                    Victim(job_id, run.spec.priority, run.marks.get("placed", 0.0), slots)
+                )
+        if not victims:
+            return
+        caps = [w.capacity() for w in self._open_workers()]
+        choice = preempt(self._waiting, caps, victims, now, self._shares(now), self._held_for)
+        if choice is None:
+            return
+        for worker_id in choice.workers:
+            self._held_for[worker_id] = choice.for_job
+        for job_id in choice.victims:
+            run = self._running[job_id]
+            run.preempted_for = choice.for_job
+            log.info("preempting job %s for job %s", job_id, choice.for_job)
+            for task in run.tasks:
+                worker = self._workers.get(task.worker_id)
+                if worker is not None and not task.ended:
+                    worker.inbox.append(
+                        CancelTask(job_id=job_id, attempt=run.attempt, preempt=True)
+                    )
+                    if task.worker_id != self._taking:
+                        worker.wake.fire()
+
+    def _save_usage(self, now: float, every: float = _USAGE_SAVE_S) -> None:
+        """Store the projects' usage, at most once every ``every`` seconds:
+        a crash loses at most that much of it (usage is a ranking, not a bill)."""
+        if now - self._usage_saved < every:
+            return
+        self._usage_saved = now
+        try:
+            with self.store.transaction() as tx:
+                for project, (usage, at) in self._accounts.saved(now).items():
+                    tx.save_usage(project, usage, at)
+        except StoreError as exc:
+            log.warning("storing the projects' usage failed (kept in memory): %s", exc)
 
     def _record(self, tx: Transaction, assignments: list[Assignment], now: float) -> None:
         """Store placements. One whose job is no longer queued in the store (a
@@ -462,14 +577,18 @@ class PlaneCore:
             # as the placement was recorded.
             opened = self.secrets.open(spec) if spec.secrets else spec
             tasks = [NodeTask(node, a.worker_id, a.slots, a.gpus) for node, a in enumerate(group)]
-            self._running[job_id] = Running(
-                attempt,
-                spec,
-                pending.request.seq,
-                tasks,
-                {"submitted": pending.submitted, "placed": now},
-                given_back=pending.given_back,
-                user=pending.user,
+            self._began(
+                job_id,
+                Running(
+                    attempt,
+                    spec,
+                    pending.request.seq,
+                    tasks,
+                    {"submitted": pending.submitted, "placed": now},
+                    given_back=pending.given_back,
+                    user=pending.user,
+                    scratch=pending.scratch,
+                ),
             )
             # Rank 0 listens on node 0, at the address its worker advertises.
             master = None
@@ -491,16 +610,22 @@ class PlaneCore:
                         gpus=list(task.gpus),
                         node=task.node,
                         master_addr=master,
+                        scratch=pending.scratch,
                     )
                 )
                 if task.worker_id != self._taking:
                     worker.wake.fire()
+        self._preempt(now)
 
     def _release(self, job_id: str) -> Running:
         run = self._running.pop(job_id)
+        self._preemptible.discard(job_id)
         for task in run.tasks:
             if not task.ended:
                 self._release_task(job_id, task)
+        now = self._clock()
+        self._accounts.stop(_project(run), _demand(run), now)
+        self._save_usage(now)
         return run
 
     def _unrelease(self, job_id: str, run: Running, *, requeued: bool) -> None:
@@ -509,7 +634,7 @@ class PlaneCore:
         running), so the worker's report, sent again, applies then."""
         if requeued:
             self._dequeue(job_id)
-        self._running[job_id] = run
+        self._began(job_id, run)
         for task in run.tasks:
             if not task.ended:
                 self._occupy(job_id, task)
@@ -530,9 +655,20 @@ class PlaneCore:
 
     def _requeue(self, job_id: str, run: Running, *, not_before: float = 0.0) -> None:
         spec = run.spec
-        request = Request(job_id, spec.priority, run.seq, spec.gpus, spec.nodes, not_before)
+        request = request_of(job_id, spec, run.seq, not_before)
         submitted = run.marks["submitted"]
-        self._enqueue(Pending(request, spec, run.attempt, submitted, run.given_back, run.user))
+        self._enqueue(
+            Pending(request, spec, run.attempt, submitted, run.given_back, run.user, run.scratch)
+        )
+
+    def _say_preempted(self, tx: Transaction, job_id: str, run: Running, now: float) -> None:
+        """The line in the job's log that says it was preempted: its
+        history keeps each preemption, and where the next attempt begins."""
+        why = f" to make room for job {run.preempted_for}" if run.preempted_for else ""
+        text = (
+            f"gpulayer: attempt {run.attempt} preempted{why}; queued again, not counted as a retry"
+        )
+        tx.append_logs(job_id, run.attempt + 1, [LogLine(0, now, "system", text)])
 
     def _say_retry(
         self, tx: Transaction, job_id: str, run: Running, why: str, wait: float, now: float
@@ -577,6 +713,7 @@ class PlaneCore:
                 reason=f"retrying: {reason}{_backing_off(retry_at, now)}",
                 owner=self.instance_id,
                 retry_at=retry_at,
+                at=now,
             )
             self._say_retry(tx, job_id, run, reason, retry_at - now, now)
         else:
@@ -604,6 +741,29 @@ class PlaneCore:
         logs = self._logs.pop(job_id, None)
         if logs is not None:
             logs.fire()
+        self._ended(job_id)
+
+    # Dependencies (dependencies.py) fill these in: a plane without them
+    # holds nothing back.
+
+    def _held_back(self, pending: Pending) -> bool:
+        return False
+
+    def _ended(self, job_id: str) -> None:
+        return None
+
+    def _settle_dependencies(self, now: float) -> None:
+        return None
+
+
+def _project(run: Running) -> str:
+    return run.spec.project or DEFAULT_PROJECT
+
+
+def _demand(run: Running) -> tuple[int, int]:
+    """What ``run`` holds against its project's quota: (GPUs, CPU slots)."""
+    spec = run.spec
+    return (spec.gpus * spec.nodes, 0) if spec.gpus else (0, spec.nodes)
 
 
 def _backing_off(retry_at: float | None, now: float) -> str:

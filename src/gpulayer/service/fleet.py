@@ -314,6 +314,7 @@ class Fleet(BlobReaders):
             for worker in self._workers.values():
                 _close(worker)
             timer = self._stop_timers()
+            self._save_usage(self._clock(), every=0)  # what accrued since the last save
         if timer is not None:  # joined unlocked: its callback may be waiting for the lock
             timer.join()
 
@@ -593,6 +594,8 @@ class Fleet(BlobReaders):
         start = clip_start(result.start)  # the worker's text: bounded
         if start != result.start:
             result = msgspec.structs.replace(result, start=start)
+        # Checked outside the lock, as outputs are: what a worker names is its word.
+        scratch = self._proved_scratch(result) if result.scratch is not None else None
         if result.outputs:
             # Checked outside the lock (a glob may name a million outputs):
             # a job's spec does not change.
@@ -607,6 +610,10 @@ class Fleet(BlobReaders):
             run = self._running.get(result.job_id)
             if run is None or run.attempt != result.attempt:
                 return  # already ended (e.g. declared lost); never apply twice
+            # A job's scratch is node 0's, as its outputs are.
+            node = run.task_on(result.worker_id)
+            if scratch is not None and node is not None and node.node == 0:
+                run.scratch = scratch
             if result.outcome == "returned":
                 # Its worker is stopping: place nothing more on it.
                 worker = self._workers.get(result.worker_id)

@@ -10,6 +10,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import msgspec
 
 from .. import defaults, jobs
 from ..access import Viewer, local_viewer, may_see, sees_all
@@ -17,21 +20,24 @@ from ..artifacts import ArtifactStore
 from ..errors import GPUlayerError, InvalidStateError, JobNotFoundError, StoreError
 from ..ids import check_id, new_id
 from ..jobs import JobInfo, LogChunk, WorkerInfo
-from ..scheduler import Capacity, Request, explain
+from ..projects import DEFAULT_PROJECT
+from ..scheduler import Capacity, explain
 from ..secretbox import redacted
 from ..signals import Signal, Unsubscribe, wait_on
 from ..spec import JobSpec, parse_spec
 from ..transport import check_job_filter
+from .dependencies import Dependencies
 from .fleet import Fleet
+from .projects import ProjectAdmin
 from .recovery import Recovery
-from .state import Done, Pending, Snapshot, task_infos
+from .state import Done, Pending, Snapshot, request_of, task_infos
 
 
 class _Stored(Exception):
     """A submit's id names a job stored already (its transaction is rolled back)."""
 
 
-class ControlPlane(Fleet, Recovery):
+class ControlPlane(Fleet, Recovery, ProjectAdmin, Dependencies):
     # ---- clients -------------------------------------------------------
 
     def submit(
@@ -45,6 +51,8 @@ class ControlPlane(Fleet, Recovery):
         viewer = viewer or local_viewer()
         if job_id is not None:
             check_id("id", job_id)
+        spec = self._into_project(spec, viewer)
+        spec = self._resolve_dependencies(spec, lambda j: self.resolve(j, viewer))
         job = self._submit(spec, job_id, viewer)
         if job is None:
             # The id names a job the submitter may not see: it was only a key
@@ -73,7 +81,7 @@ class ControlPlane(Fleet, Recovery):
                 user=viewer.user,
                 marks={"submitted": now},
             )
-            request = Request(job.id, spec.priority, seq, spec.gpus, spec.nodes)
+            request = request_of(job.id, spec, seq)
             self._enqueue(Pending(request, spec, 0, now, user=viewer.user))
             try:
                 assignments = self._plan()
@@ -101,13 +109,43 @@ class ControlPlane(Fleet, Recovery):
             self._dispatch(assignments, now)
         return job
 
+    def _into_project(self, spec: JobSpec, viewer: Viewer) -> JobSpec:
+        """``spec`` with the project it goes into: the one it names, which
+        must be one of its user's (an admin: any project); else the user's
+        first. The default project (stored as None) takes the jobs of users
+        in no project, and of admins: a member of a project cannot escape
+        its quota there."""
+        with self._lock:
+            mine = self._memberships.of(viewer.user)
+            asked = spec.project
+            if asked is None:
+                chosen = mine[0] if mine else None
+            elif asked == DEFAULT_PROJECT:
+                if mine and not viewer.admin:
+                    raise GPUlayerError(
+                        f"you belong to project{'s' if len(mine) > 1 else ''} "
+                        f"{', '.join(mine)}: submit into {'one of them' if len(mine) > 1 else 'it'}"
+                        f", not into the default project"
+                    )
+                chosen = None
+            elif asked in mine or (viewer.admin and self._memberships.get(asked) is not None):
+                chosen = asked
+            else:
+                # The same words whether it exists or not: a name is no secret
+                # worth keeping, but no one learns it by guessing either.
+                theirs = f"your projects are {', '.join(mine)}" if mine else "you belong to none"
+                raise GPUlayerError(f"no project {asked!r} that you belong to ({theirs})")
+        if chosen == spec.project:
+            return spec
+        return msgspec.structs.replace(spec, project=chosen)
+
     def _stored(self, job_id: str, spec: JobSpec, viewer: Viewer) -> JobInfo | None:
         """The job a retried submit made: the same spec, or an error; None if
         it is not one ``viewer`` may see (not its retry, then)."""
         existing = self.store.get_job(job_id)
         if existing is None:  # not a job store deletes from: cannot happen
             raise InvalidStateError(f"job {job_id} could not be stored; submit it again")
-        if not may_see(viewer, existing.user):
+        if not self._sees(viewer, existing.user, existing.spec.project):
             return None
         if not self._same_spec(existing.spec, spec):
             raise InvalidStateError(f"job {job_id} already exists with a different spec")
@@ -122,14 +160,29 @@ class ControlPlane(Fleet, Recovery):
         except GPUlayerError:  # sealed with another key: not known to be the same
             return False
 
-    def _user_in_memory(self, job_id: str) -> tuple[bool, str | None]:
+    def _user_in_memory(self, job_id: str) -> tuple[bool, str | None, str | None]:
         """Whether this plane holds the job (queued, running, lately ended)
-        and, if so, whose it is. Call with the lock held."""
+        and, if so, whose it is and its project. Call with the lock held."""
         held = self._queue.get(job_id) or self._running.get(job_id)
         if held is not None:
-            return True, held.user
+            return True, held.user, held.spec.project
         final = self._finished.get(job_id)
-        return (True, final.user) if final is not None else (False, None)
+        if final is not None:
+            return True, final.user, final.spec.project
+        return False, None, None
+
+    def _sees(self, viewer: Viewer, user: str | None, project: str | None) -> bool:
+        """:func:`~gpulayer.access.may_see`, with the viewer's projects. Call
+        with the lock held, or without (a read of a dict another thread may
+        replace an entry of, never one that is half changed)."""
+        return may_see(viewer, user, project, self._memberships.of(viewer.user))
+
+    def _only(self, viewer: Viewer) -> dict[str, Any]:
+        """The store's filter for the jobs ``viewer`` may see."""
+        if viewer.only is None:
+            return {}
+        projects = self._memberships.of(viewer.user)
+        return {"user": viewer.only, "projects": projects} if projects else {"user": viewer.only}
 
     def resolve(self, job_id: str, viewer: Viewer | None = None) -> str:
         """A full id from an id or a unique prefix of one, among the jobs
@@ -138,10 +191,11 @@ class ControlPlane(Fleet, Recovery):
         as for an id of no job."""
         viewer = viewer or local_viewer()
         with self._lock:
-            held, user = self._user_in_memory(job_id)
-        if held and may_see(viewer, user):
+            held, user, project = self._user_in_memory(job_id)
+            visible = held and self._sees(viewer, user, project)
+        if visible:
             return job_id
-        found = self.store.find_job(job_id, user=viewer.only)
+        found = self.store.find_job(job_id, **self._only(viewer))
         if job_id in found:
             return job_id
         if len(found) == 1:
@@ -152,9 +206,10 @@ class ControlPlane(Fleet, Recovery):
 
     def get(self, job_id: str, viewer: Viewer | None = None) -> JobInfo:
         viewer = viewer or local_viewer()
-        job = self.store.get_job(job_id, user=viewer.only)
+        only = self._only(viewer)
+        job = self.store.get_job(job_id, **only)
         if job is None:  # a prefix, or not the viewer's
-            job = self.store.get_job(self.resolve(job_id, viewer), user=viewer.only)
+            job = self.store.get_job(self.resolve(job_id, viewer), **only)
             assert job is not None
         if job.state == jobs.QUEUED and job.reason is None:
             job.reason = self._why_waiting(job)
@@ -164,8 +219,12 @@ class ControlPlane(Fleet, Recovery):
         with self._lock:
             pending = self._queue.get(job.id)
             if pending is not None:
+                waits = self._waits_for(job.id)
+                if waits is not None:
+                    return waits
                 caps = [w.capacity() for w in self._open_workers()]
-                return explain(pending.request, caps, self._clock())
+                now = self._clock()
+                return explain(pending.request, caps, now, self._shares(now))
         # Queued by another process on this home: judge by the workers on record.
         spec = job.spec
         caps = [
@@ -173,7 +232,7 @@ class ControlPlane(Fleet, Recovery):
             for w in self.store.list_workers()
         ]
         retry_at = job.marks.get("retry_at", 0.0)
-        request = Request(job.id, spec.priority, job.seq, spec.gpus, spec.nodes, retry_at)
+        request = request_of(job.id, spec, job.seq, retry_at)
         return explain(request, caps, self._clock())
 
     def list_jobs(
@@ -190,8 +249,8 @@ class ControlPlane(Fleet, Recovery):
         states = list(states)
         labels = dict(labels or {})
         check_job_filter(states, labels)
-        only = (viewer or local_viewer()).only
-        found = self.store.list_jobs(states=states, limit=limit, user=only, labels=labels)
+        only = self._only(viewer or local_viewer())
+        found = self.store.list_jobs(states=states, limit=limit, labels=labels, **only)
         for job in found:  # why each queued one waits, as get() says it
             if job.state == jobs.QUEUED and job.reason is None:
                 job.reason = self._why_waiting(job)
@@ -241,16 +300,19 @@ class ControlPlane(Fleet, Recovery):
             for job_id in job_ids:
                 held = self._queue.get(job_id) or self._running.get(job_id)
                 if held is not None:
-                    if not (everyone or may_see(viewer, held.user)):
+                    if not (everyone or self._sees(viewer, held.user, held.spec.project)):
                         unsure.append(job_id)
                     continue
                 final = self._finished.get(job_id)
-                if final is not None and (everyone or may_see(viewer, final.user)):
+                if final is not None and (
+                    everyone or self._sees(viewer, final.user, final.spec.project)
+                ):
                     found.append(final)
                 else:
                     unsure.append(job_id)
+        only = self._only(viewer)
         for job_id in dict.fromkeys(unsure):  # each id read once, however often it is asked
-            job = self.store.get_job(job_id, user=viewer.only)
+            job = self.store.get_job(job_id, **only)
             if job is None:
                 unknown.append(job_id)
             elif job.done:
@@ -373,8 +435,14 @@ class ControlPlane(Fleet, Recovery):
             worker = self._workers.get(worker_id)
             if worker is None:
                 return False
-            specs = [self._running[j].spec for j in worker.running if j in self._running]
-        manifests = []  # the roots of trees: the bundle, folder inputs
+            runs = [self._running[j] for j in worker.running if j in self._running]
+        specs = [run.spec for run in runs]
+        manifests = []  # the roots of trees: the bundle, folder inputs, scratch
+        for run in runs:
+            if run.scratch is not None:
+                if digest == run.scratch.digest:
+                    return True
+                manifests.append(run.scratch.digest)
         for spec in specs:
             if spec.bundle is not None:
                 if digest == spec.bundle:
@@ -417,8 +485,8 @@ class ControlPlane(Fleet, Recovery):
 
     def _visible_here(self, viewer: Viewer, job_id: str) -> bool:
         """Whether ``viewer`` may see a job this plane holds. Call with the lock held."""
-        held, user = self._user_in_memory(job_id)
-        return held and may_see(viewer, user)
+        held, user, project = self._user_in_memory(job_id)
+        return held and self._sees(viewer, user, project)
 
     def snapshot(self) -> Snapshot:
         with self._lock:

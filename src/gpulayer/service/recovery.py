@@ -12,9 +12,8 @@ from collections import deque
 
 from .. import jobs
 from ..jobs import JobInfo, TaskInfo, TaskResult, WorkerInfo
-from ..scheduler import Request
 from .core import PlaneCore
-from .state import LiveWorker, NodeTask, Pending, Running
+from .state import LiveWorker, NodeTask, Pending, Running, request_of
 
 # Why an embedded job whose process died is lost (see recover).
 EMBEDDED_ENDED = (
@@ -70,12 +69,19 @@ class Recovery(PlaneCore):
             for job in self.store.list_jobs(states=[jobs.QUEUED], owner=self.instance_id):
                 if job.id not in self._queue:
                     spec, retry_at = job.spec, job.marks.get("retry_at", 0.0)  # a back-off holds
-                    request = Request(
-                        job.id, spec.priority, job.seq, spec.gpus, spec.nodes, retry_at
-                    )
+                    request = request_of(job.id, spec, job.seq, retry_at)
                     submitted = job.marks.get("submitted", now)
+                    scratch = self.store.scratch_of(job.id) if job.attempt else None
                     self._enqueue(
-                        Pending(request, job.spec, job.attempt, submitted, job.given_back, job.user)
+                        Pending(
+                            request,
+                            job.spec,
+                            job.attempt,
+                            submitted,
+                            job.given_back,
+                            job.user,
+                            scratch,
+                        )
                     )
             assignments = self._plan()
             with self.store.transaction() as tx:
@@ -150,6 +156,8 @@ class Recovery(PlaneCore):
                 cancel_requested=job.cancel_requested,
                 given_back=job.given_back,
                 user=job.user,
+                # What an earlier attempt kept, for the next one should this fail.
+                scratch=self.store.scratch_of(job.id) if job.attempt > 1 else None,
             )
             if len(tasks) == 1:  # the lines stored already are not stored again
                 run.log_seen = {0: self.store.last_log_seq(job.id, job.attempt)}
@@ -158,7 +166,7 @@ class Recovery(PlaneCore):
                 # and know the lines each node sent already (it may send them again)
                 run.log_seen = self.store.node_lines(job.id, job.attempt)
                 run.master_port = job.tasks[0].port
-            self._running[job.id] = run
+            self._began(job.id, run)
         for info in known.values():
             if info.id not in self._workers:
                 info.instance = self.instance_id

@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..jobs import Instruction, JobInfo, TaskInfo, TaskResult, WorkerInfo
+from ..projects import DEFAULT_PROJECT
 from ..scheduler import Assignment, Capacity, Request
 from ..signals import Signal
-from ..spec import JobSpec
+from ..spec import ArtifactRef, JobSpec
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class Delivery:
     resent: int = 0  # the first ones were sent before (their reply may have been lost)
 
 
+def request_of(job_id: str, spec: JobSpec, seq: int, not_before: float = 0.0) -> Request:
+    """What placement needs of a waiting job."""
+    project = spec.project or DEFAULT_PROJECT
+    return Request(job_id, spec.priority, seq, spec.gpus, spec.nodes, not_before, project)
+
+
 @dataclass
 class Pending:
     request: Request
@@ -36,6 +43,7 @@ class Pending:
     submitted: float
     given_back: int = 0  # of those, given back unrun (not counted against retries)
     user: str | None = None  # who submitted it (see access.py)
+    scratch: ArtifactRef | None = None  # what its last attempt kept (workspace.SCRATCH)
 
 
 @dataclass
@@ -76,6 +84,9 @@ class Running:
     log_seq: int = 0
     log_seen: dict[int, int] = field(default_factory=dict)  # node -> its last line
     user: str | None = None  # who submitted it (see access.py)
+    # Being stopped to make room for this waiting job (scheduler rule 9).
+    preempted_for: str | None = None
+    scratch: ArtifactRef | None = None  # what its last attempt kept, for its next
 
     @property
     def worker_id(self) -> str:

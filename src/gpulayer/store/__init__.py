@@ -12,7 +12,10 @@ import abc
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 
+from msgspec import UNSET, UnsetType
+
 from ..jobs import JobInfo, LogLine, TaskInfo, TaskResult, WorkerInfo
+from ..projects import ProjectInfo
 from ..spec import ArtifactRef
 
 
@@ -103,13 +106,19 @@ class Transaction(abc.ABC):
         attempt: int | None = None,
         given_back: int | None = None,
         retry_at: float | None = None,
+        at: float | None = None,
+        scratch: ArtifactRef | None = None,
     ) -> None:
         """Queue a job again; ``attempt``, if given, is the attempts it has made
         (one placement did not count); ``given_back``, if given, how many of
         them were given back unrun and do not count against its retries;
         ``retry_at``, if given, when its back-off ends (kept as its mark
         ``retry_at``, so that it holds through a restart). Its start, like
-        its marks after ``submitted``, was the ended attempt's: cleared."""
+        its marks after ``submitted``, was the ended attempt's: cleared.
+        ``at``: when the attempt that ended did, kept with it for its usage
+        (:meth:`Store.gpu_seconds`); without it that attempt's is not
+        counted. ``scratch``, if given, what the attempt left in its scratch
+        folder, kept for the next (see :meth:`Store.scratch_of`)."""
 
     @abc.abstractmethod
     def append_logs(self, job_id: str, attempt: int, lines: Sequence[LogLine]) -> None:
@@ -154,6 +163,11 @@ class Transaction(abc.ABC):
         tasks; never a queued or running one. Returns (jobs, log lines)."""
 
     @abc.abstractmethod
+    def save_usage(self, project: str, usage: float, at: float) -> None:
+        """Keep ``project``'s recent usage (decayed GPU-seconds) as of ``at``,
+        in the same commit as the step that changed it (a job's end)."""
+
+    @abc.abstractmethod
     def artifact_refs(self) -> set[tuple[str, str]]:
         """What the stored jobs name, as (kind, digest): each one's bundle
         (a "dir": a manifest), inputs and outputs. What a manifest lists is
@@ -165,13 +179,25 @@ class Store(abc.ABC):
     def transaction(self) -> AbstractContextManager[Transaction]: ...
 
     @abc.abstractmethod
-    def get_job(self, job_id: str, *, user: str | None = None) -> JobInfo | None:
-        """The job with this id; with ``user``, only if it is that user's."""
+    def scratch_of(self, job_id: str) -> ArtifactRef | None:
+        """What the job's last attempt left in its scratch folder, if it is
+        not final and one was kept (Transaction.requeue)."""
 
     @abc.abstractmethod
-    def find_job(self, prefix: str, *, user: str | None = None) -> list[str]:
+    def get_job(
+        self, job_id: str, *, user: str | None = None, projects: Collection[str] = ()
+    ) -> JobInfo | None:
+        """The job with this id; with ``user``, only if it is that user's or
+        in one of ``projects`` (the user's: never the default project, which
+        is never matched by it)."""
+
+    @abc.abstractmethod
+    def find_job(
+        self, prefix: str, *, user: str | None = None, projects: Collection[str] = ()
+    ) -> list[str]:
         """Ids starting with ``prefix`` (at most 2: enough to tell unique from
-        ambiguous); with ``user``, only among that user's jobs."""
+        ambiguous); with ``user``, only among that user's jobs and those in
+        ``projects`` (as :meth:`get_job`)."""
 
     @abc.abstractmethod
     def list_jobs(
@@ -180,12 +206,16 @@ class Store(abc.ABC):
         states: Iterable[str] = (),
         owner: str | None = None,
         user: str | None = None,
+        projects: Collection[str] = (),
+        project: str | None = None,
         limit: int | None = None,
         labels: Mapping[str, str] | None = None,
     ) -> list[JobInfo]:
         """Jobs, newest first; with ``owner``, only that control-plane
-        instance's; with ``user``, only that user's; with ``labels``, only
-        those whose spec carries every one of them (key and value exactly)."""
+        instance's; with ``user``, only that user's and those in ``projects``
+        (as :meth:`get_job`); with ``project``, only that project's (the
+        default project's: those of none); with ``labels``, only those whose
+        spec carries every one of them (key and value exactly)."""
 
     @abc.abstractmethod
     def append_logs(
@@ -236,6 +266,21 @@ class Store(abc.ABC):
     def count_by_state(self) -> dict[str, int]: ...
 
     @abc.abstractmethod
+    def gpu_seconds(
+        self, since: Sequence[float], until: float
+    ) -> dict[tuple[str, str | None], list[float]]:
+        """GPU-seconds of the attempts that ended by ``until``, for each window
+        from one of ``since`` to ``until``: (project, user) -> one sum per
+        window, in the order of ``since``. An attempt counts its GPUs (the
+        spec's gpus x nodes) times the part of its time from its placement
+        to its end that falls in the window: a job's last attempt ends when
+        it became final, an earlier one when it was queued again
+        (:meth:`Transaction.requeue` given ``at``). Only attempts that ended
+        by ``until`` count, so that one still running then is left to the
+        control plane, which holds it. The default project is
+        ``projects.DEFAULT_PROJECT``."""
+
+    @abc.abstractmethod
     def add_token(
         self,
         digest: str,
@@ -284,6 +329,61 @@ class Store(abc.ABC):
     def worker_bindings(self) -> dict[str, str]:
         """Worker id -> the sha256 of the token that registered it, for every
         worker registered with a token (see ``upsert_worker``)."""
+
+    # ---- projects (see projects.py) ----
+    # Each write is one atomic step. The control plane keeps the registry in
+    # memory (projects.Memberships) and calls these with its lock held.
+
+    @abc.abstractmethod
+    def create_project(self, info: ProjectInfo) -> bool:
+        """Store a new project, with ``info.members`` (added at ``info.created``);
+        False, with nothing changed, if one has that name."""
+
+    @abc.abstractmethod
+    def set_project_quota(
+        self,
+        name: str,
+        *,
+        gpus: int | UnsetType | None = UNSET,
+        slots: int | UnsetType | None = UNSET,
+    ) -> bool:
+        """Change the project's quotas: a number, None for no limit,
+        ``msgspec.UNSET`` (the default) to leave one as it is. False, with
+        nothing changed, if there is no such project."""
+
+    @abc.abstractmethod
+    def add_project_member(self, project: str, user: str, added: float) -> bool:
+        """Make ``user`` a member (one already is stays, as added first);
+        False, with nothing changed, if there is no such project."""
+
+    @abc.abstractmethod
+    def remove_project_member(self, project: str, user: str) -> bool:
+        """False if there is no such project, or ``user`` is not in it."""
+
+    @abc.abstractmethod
+    def delete_project(self, name: str) -> bool:
+        """Delete the project, its members and usage; False if there is none.
+        Refused (InvalidStateError, nothing changed) while a job in it is
+        not final. The final jobs kept are taken out of it (they belong to
+        no project any more, not even a new one of the same name, whose
+        members must not see them); each one's spec still names it."""
+
+    @abc.abstractmethod
+    def list_projects(self) -> list[ProjectInfo]:
+        """Every project, oldest first, with its members in the order they were added."""
+
+    @abc.abstractmethod
+    def project_members(self) -> list[tuple[str, str]]:
+        """Every (project, user), in the order they were added (to build
+        projects.Memberships: a user's first project is the one joined first)."""
+
+    @abc.abstractmethod
+    def load_usage(self) -> dict[str, tuple[float, float]]:
+        """Each project's recent usage as kept: project -> (usage, at)."""
+
+    @abc.abstractmethod
+    def save_usage(self, project: str, usage: float, at: float) -> None:
+        """As :meth:`Transaction.save_usage`, in a commit of its own."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

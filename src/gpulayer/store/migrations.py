@@ -197,6 +197,94 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ALTER TABLE jobs ADD COLUMN start TEXT
         """,
     ),
+    # 12: projects (projects.py): the teams an admin makes, each with its
+    # quota (NULL: no limit), its members in the order they were added, and
+    # its recent usage for fair share (decayed GPU-seconds as of ``at``).
+    # Each job keeps its project; NULL is the default project (every job
+    # from before, and every one submitted where none is set up).
+    (
+        """
+        CREATE TABLE projects (
+            name       TEXT PRIMARY KEY,
+            gpu_quota  INTEGER NULL,
+            slot_quota INTEGER NULL,
+            created    REAL NOT NULL
+        )
+        """,
+        """
+        CREATE TABLE project_members (
+            project   TEXT NOT NULL,
+            user_name TEXT NOT NULL,
+            added     REAL NOT NULL,
+            PRIMARY KEY (project, user_name)
+        )
+        """,
+        """
+        CREATE TABLE project_usage (
+            project TEXT PRIMARY KEY,
+            usage   REAL NOT NULL,
+            at      REAL NOT NULL
+        )
+        """,
+        """
+        ALTER TABLE jobs ADD COLUMN project TEXT
+        """,
+        """
+        -- A member's listing reads the jobs of the user's projects, newest
+        -- first, beside its own (jobs_by_user); and a project's, to delete it.
+        CREATE INDEX jobs_by_project ON jobs (project, seq)
+        """,
+    ),
+    # 13: usage by project over a window (``gpulayer usage``): when each job
+    # became final, a real column (the marks are JSON, which no index
+    # reads); when its current attempt was placed; and the GPUs it holds
+    # while it runs (its spec's gpus x nodes). One index on when it became
+    # final covers what the usage query reads, so the jobs that ended in
+    # the last week are a range of the index, never a read of their rows.
+    # And when each attempt that ended in a retry or a preemption ended
+    # (``past_tasks`` kept only where it ran). Jobs from before get theirs
+    # from their marks and spec; their earlier attempts' ends were never
+    # kept (NULL: not counted).
+    (
+        """
+        ALTER TABLE jobs ADD COLUMN finished REAL
+        """,
+        """
+        ALTER TABLE jobs ADD COLUMN began REAL
+        """,
+        """
+        ALTER TABLE jobs ADD COLUMN gpu_demand INTEGER NOT NULL DEFAULT 0
+        """,
+        """
+        UPDATE jobs SET
+            began = json_extract(marks, '$.placed'),
+            finished = CASE WHEN state IN ('queued', 'running') THEN NULL
+                ELSE json_extract(marks, '$.finished') END,
+            gpu_demand = COALESCE(json_extract(CAST(spec AS TEXT), '$.gpus'), 0)
+                * COALESCE(json_extract(CAST(spec AS TEXT), '$.nodes'), 1)
+        """,
+        """
+        -- Partial: a job not final yet (NULL) has no entry, and every
+        -- comparison on finished implies NOT NULL, so a range query uses it.
+        CREATE INDEX jobs_by_finished ON jobs (finished, gpu_demand, project, user_name, began)
+        WHERE finished IS NOT NULL
+        """,
+        """
+        ALTER TABLE past_tasks ADD COLUMN ended REAL
+        """,
+        """
+        CREATE INDEX past_tasks_by_ended ON past_tasks (ended, node, placed)
+        WHERE ended IS NOT NULL
+        """,
+    ),
+    # 14: what a job's last attempt left in its scratch folder (a folder
+    # ArtifactRef as JSON), for its next attempt, through a restart of the
+    # control plane; NULL: nothing kept. Cleared when the job ends.
+    (
+        """
+        ALTER TABLE jobs ADD COLUMN scratch TEXT
+        """,
+    ),
 )
 
 LATEST = len(MIGRATIONS)

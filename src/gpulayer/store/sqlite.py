@@ -16,9 +16,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
-from ..errors import StoreError
+from ..errors import InvalidStateError, StoreError
 from ..jobs import FINAL_STATES, JobInfo, LogLine, TaskInfo, TaskResult, WorkerInfo, job_start
+from ..projects import DEFAULT_PROJECT, ProjectInfo
 from ..spec import ArtifactRef, JobSpec
 from . import Store, Transaction
 from .migrations import LATEST, MIGRATIONS
@@ -31,11 +33,28 @@ _decode_ints = msgspec.json.Decoder(list[int]).decode
 _decode_worker = msgspec.json.Decoder(WorkerInfo).decode
 _decode_lines = msgspec.json.Decoder(list[LogLine]).decode
 _decode_tasks = msgspec.json.Decoder(list[TaskInfo]).decode
+_decode_ref = msgspec.json.Decoder(ArtifactRef).decode
+
+# What a deleted project's final jobs keep as their project: no project
+# name starts so (projects.check_project_name), so no membership, no filter
+# and no project made later under the same name matches them.
+_DELETED = "~"
+_NOT_FINAL = "state NOT IN ({})".format(",".join(f"'{state}'" for state in sorted(FINAL_STATES)))
 
 _JOB_COLUMNS = (
     "id, seq, state, spec, attempt, owner, worker, slots, gpus, exit_code, reason, "
     "cancel_requested, pid, pid_created, marks, tasks, given_back, user_name, start"
 )
+
+
+def _seen_by(user: str, projects: Collection[str]) -> tuple[str, list[object]]:
+    """The condition (and its parameters) for the jobs ``user`` sees: its own,
+    and those in ``projects``. The default project is never one of them (a
+    job there is its submitter's alone), whoever passes it."""
+    named = [p for p in dict.fromkeys(projects) if p != DEFAULT_PROJECT]
+    if not named:
+        return "user_name = ?", [user]
+    return f"(user_name = ? OR project IN ({','.join('?' * len(named))}))", [user, *named]
 
 
 def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> JobInfo:
@@ -91,8 +110,8 @@ class _SqliteTransaction(Transaction):
     def insert_job(self, job: JobInfo) -> bool:
         return (
             self.db.execute(
-                "INSERT INTO jobs (id, seq, name, state, priority, spec, attempt, owner, user_name, worker, slots, gpus, marks, tasks) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (id) DO NOTHING",
+                "INSERT INTO jobs (id, seq, name, state, priority, spec, attempt, owner, user_name, worker, slots, gpus, marks, tasks, project, gpu_demand, began, finished) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (id) DO NOTHING",
                 (
                     job.id,
                     job.seq,
@@ -108,10 +127,17 @@ class _SqliteTransaction(Transaction):
                     _encode(job.gpus),
                     _encode(job.marks),
                     _encode(job.tasks).decode() if job.tasks else None,
+                    job.spec.project,  # None: the default project
+                    job.spec.gpus * job.spec.nodes,  # what it holds while it runs
+                    job.marks.get("placed"),
+                    job.marks.get("finished") if job.state in FINAL_STATES else None,
                 ),
             ).rowcount
             == 1
         )
+
+    def save_usage(self, project: str, usage: float, at: float) -> None:
+        _save_usage(self.db, project, usage, at)
 
     def cancel_requested(self, job_id: str) -> bool:
         row = self.db.execute("SELECT cancel_requested FROM jobs WHERE id=?", (job_id,)).fetchone()
@@ -131,7 +157,7 @@ class _SqliteTransaction(Transaction):
         # Only a job still queued: another process may have cancelled it.
         return (
             self.db.execute(
-                "UPDATE jobs SET state='running', worker=?, slots=?, gpus=?, attempt=?, tasks=?, "
+                "UPDATE jobs SET state='running', worker=?, slots=?, gpus=?, attempt=?, tasks=?, began=?, "
                 "exit_code=NULL, start=NULL, marks=json_set(marks, '$.placed', json(?)) WHERE id=? AND state='queued'",
                 # Numbers go in as JSON text: SQLite renders bound REALs with 15 digits.
                 (
@@ -140,6 +166,7 @@ class _SqliteTransaction(Transaction):
                     _encode(list(gpus)),
                     attempt,
                     _encode(list(tasks)).decode() if tasks else None,
+                    at,
                     _encode(at),
                     job_id,
                 ),
@@ -223,8 +250,17 @@ class _SqliteTransaction(Transaction):
         entries = self.db.execute(
             "UPDATE jobs SET state=?, exit_code=?, reason=?, pid=NULL, pid_created=NULL, "
             "start=CASE WHEN tasks IS NULL THEN COALESCE(?, start) ELSE start END, "
+            "finished=COALESCE(?, finished), scratch=NULL, "
             "marks=json_patch(marks, ?) WHERE id=? RETURNING tasks IS NOT NULL",
-            (state, exit_code, reason, (starts or {}).get(0), _encode(marks), job_id),
+            (
+                state,
+                exit_code,
+                reason,
+                (starts or {}).get(0),
+                marks.get("finished"),
+                _encode(marks),
+                job_id,
+            ),
         ).fetchone()
         if starts and entries is not None and entries[0]:
             self._set_starts(job_id, starts)
@@ -265,24 +301,31 @@ class _SqliteTransaction(Transaction):
         attempt: int | None = None,
         given_back: int | None = None,
         retry_at: float | None = None,
+        at: float | None = None,
+        scratch: ArtifactRef | None = None,
     ) -> None:
+        if scratch is not None:
+            self.db.execute(
+                "UPDATE jobs SET scratch=? WHERE id=?", (_encode(scratch).decode(), job_id)
+            )
         # Who ran the attempt that ended, for its late log lines (see
-        # task_worker): the row names only the current attempt's workers. An
-        # attempt that never ran (``attempt`` given: its number is used again)
-        # has no lines to come.
+        # task_worker): the row names only the current attempt's workers; and
+        # when it ended (``at``), for its usage (gpu_seconds). An attempt that
+        # never ran (``attempt`` given: its number is used again) has no
+        # lines to come.
         if attempt is None:
             self.db.execute(
-                "INSERT OR REPLACE INTO past_tasks (job_id, attempt, node, worker, placed) "
-                "SELECT id, attempt, 0, worker, json_extract(marks, '$.placed') FROM jobs "
+                "INSERT OR REPLACE INTO past_tasks (job_id, attempt, node, worker, placed, ended) "
+                "SELECT id, attempt, 0, worker, json_extract(marks, '$.placed'), ? FROM jobs "
                 "WHERE id=? AND tasks IS NULL AND worker IS NOT NULL "
                 "UNION ALL SELECT jobs.id, jobs.attempt, json_extract(t.value, '$.node'), "
-                "json_extract(t.value, '$.worker'), json_extract(jobs.marks, '$.placed') "
+                "json_extract(t.value, '$.worker'), json_extract(jobs.marks, '$.placed'), ? "
                 "FROM jobs, json_each(jobs.tasks) AS t WHERE jobs.id=? AND jobs.tasks IS NOT NULL",
-                (job_id, job_id),
+                (at, job_id, at, job_id),
             )
         # Marks after 'submitted' describe the attempt that ended; start afresh.
         self.db.execute(
-            "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, pid_created=NULL, tasks=NULL, start=NULL, owner=?, "
+            "UPDATE jobs SET state='queued', worker=NULL, slots='[]', gpus='[]', pid=NULL, pid_created=NULL, tasks=NULL, start=NULL, began=NULL, finished=NULL, owner=?, "
             "reason=?, attempt=COALESCE(?, attempt), given_back=COALESCE(?, given_back), "
             "marks=json_patch(json_object('submitted', json_extract(marks, '$.submitted')), ?) "
             "WHERE id=?",
@@ -308,8 +351,8 @@ class _SqliteTransaction(Transaction):
         return (
             self.db.execute(
                 "UPDATE jobs SET state='cancelled', cancel_requested=1, reason='cancelled while queued', "
-                "marks=json_set(marks, '$.finished', json(?)) WHERE id=? AND state='queued'",
-                (_encode(at), job_id),
+                "finished=?, marks=json_set(marks, '$.finished', json(?)) WHERE id=? AND state='queued'",
+                (at, _encode(at), job_id),
             ).rowcount
             == 1
         )
@@ -406,7 +449,10 @@ class _SqliteTransaction(Transaction):
             "WHERE json_extract(CAST(spec AS TEXT), '$.bundle') IS NOT NULL "
             "UNION SELECT json_extract(i.value, '$.kind'), json_extract(i.value, '$.digest') "
             "FROM jobs, json_each(CAST(jobs.spec AS TEXT), '$.inputs') AS i "
-            "UNION SELECT kind, digest FROM outputs"
+            "UNION SELECT kind, digest FROM outputs "
+            # A queued job's scratch: its next attempt lays it out.
+            "UNION SELECT 'dir', json_extract(scratch, '$.digest') FROM jobs "
+            "WHERE scratch IS NOT NULL"
         ).fetchall()
         return {(str(kind), str(digest)) for kind, digest in rows if digest is not None}
 
@@ -523,24 +569,36 @@ class SqliteStore(Store):
             found.setdefault(jid, {})[path] = ArtifactRef(kind=kind, digest=digest, size=size)
         return found
 
-    def get_job(self, job_id: str, *, user: str | None = None) -> JobInfo | None:
+    def scratch_of(self, job_id: str) -> ArtifactRef | None:
+        with self._guarded:
+            row = self._db.execute("SELECT scratch FROM jobs WHERE id=?", (job_id,)).fetchone()
+        return _decode_ref(row[0]) if row and row[0] is not None else None
+
+    def get_job(
+        self, job_id: str, *, user: str | None = None, projects: Collection[str] = ()
+    ) -> JobInfo | None:
         # With ``user``, another user's row is never read: decoding its spec
         # would make "not yours" slower to answer than "no such job".
-        sql, params = f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id=?", [job_id]
+        sql = f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id=?"
+        params: list[object] = [job_id]
         if user is not None:
-            sql, params = sql + " AND user_name=?", [job_id, user]
+            seen, more = _seen_by(user, projects)
+            sql, params = f"{sql} AND {seen}", [job_id, *more]
         with self._guarded:
             row = self._db.execute(sql, params).fetchone()
             if row is None:
                 return None
             return _job_from_row(row, self._outputs([job_id]).get(job_id, {}))
 
-    def find_job(self, prefix: str, *, user: str | None = None) -> list[str]:
+    def find_job(
+        self, prefix: str, *, user: str | None = None, projects: Collection[str] = ()
+    ) -> list[str]:
         sql = "SELECT id FROM jobs WHERE id >= ? AND id < ?"
-        params: tuple[str, ...] = (prefix, prefix + "\uffff")
+        params: list[object] = [prefix, prefix + "\uffff"]
         if user is not None:
-            sql += " AND user_name = ?"
-            params += (user,)
+            seen, more = _seen_by(user, projects)
+            sql += f" AND {seen}"
+            params += more
         with self._guarded:
             rows = self._db.execute(sql + " ORDER BY id LIMIT 2", params).fetchall()
         return [r[0] for r in rows]
@@ -551,6 +609,8 @@ class SqliteStore(Store):
         states: Iterable[str] = (),
         owner: str | None = None,
         user: str | None = None,
+        projects: Collection[str] = (),
+        project: str | None = None,
         limit: int | None = None,
         labels: Mapping[str, str] | None = None,
     ) -> list[JobInfo]:
@@ -564,8 +624,15 @@ class SqliteStore(Store):
             where.append("owner = ?")
             params.append(owner)
         if user is not None:
-            where.append("user_name = ?")
-            params.append(user)
+            seen, more = _seen_by(user, projects)
+            where.append(seen)
+            params.extend(more)
+        if project == DEFAULT_PROJECT:  # kept as NULL, or by its name
+            where.append("(project IS NULL OR project = ?)")
+            params.append(project)
+        elif project is not None:
+            where.append("project = ?")
+            params.append(project)
         for key, value in (labels or {}).items():
             # Keys and values are bound, never spliced into a JSON path: a
             # key may hold any character ('.', '"', ']'). The spec is JSON
@@ -777,6 +844,179 @@ class SqliteStore(Store):
                 == 1
             )
 
+    def gpu_seconds(
+        self, since: Sequence[float], until: float
+    ) -> dict[tuple[str, str | None], list[float]]:
+        # Two index ranges (jobs_by_finished, which covers every column read
+        # here, and past_tasks_by_ended), summed in SQLite: the rows never
+        # leave it. An attempt began when it was placed: its GPUs were held
+        # from then (one never placed, cancelled while queued, held none).
+        if not since:
+            return {}
+        sums = ", ".join(
+            "SUM(gpus * MAX(0.0, MIN(ended, ?) - MAX(COALESCE(began, ended), ?)))" for _ in since
+        )
+        params: list[object] = []
+        for start in since:
+            params.extend((until, start))
+        low = min(since)
+        sql = (
+            f"SELECT project, user_name, {sums} FROM ("
+            "SELECT project, user_name, gpu_demand AS gpus, finished AS ended, began FROM jobs "
+            "WHERE finished >= ? AND finished <= ? AND gpu_demand > 0 "
+            "UNION ALL SELECT j.project, j.user_name, j.gpu_demand, p.ended, p.placed "
+            "FROM past_tasks AS p JOIN jobs AS j ON j.id = p.job_id "
+            "WHERE p.ended >= ? AND p.ended <= ? AND p.node = 0 AND j.gpu_demand > 0"
+            ") GROUP BY project, user_name"
+        )
+        with self._guarded:
+            rows = self._db.execute(sql, [*params, low, until, low, until]).fetchall()
+        found: dict[tuple[str, str | None], list[float]] = {}
+        for project, user, *seconds in rows:
+            key = (DEFAULT_PROJECT if project is None else str(project), user)
+            got = [float(x or 0.0) for x in seconds]
+            if key in found:  # a NULL project and one named "default" (list_jobs allows both)
+                got = [a + b for a, b in zip(found[key], got, strict=True)]
+            found[key] = got
+        return found
+
+    # ---- projects ----
+
+    def create_project(self, info: ProjectInfo) -> bool:
+        with self.transaction():
+            made = self._db.execute(
+                "INSERT INTO projects (name, gpu_quota, slot_quota, created) VALUES (?,?,?,?) "
+                "ON CONFLICT (name) DO NOTHING",
+                (info.name, info.gpus, info.slots, info.created),
+            ).rowcount
+            if made != 1:
+                return False
+            self._db.executemany(
+                "INSERT INTO project_members (project, user_name, added) VALUES (?,?,?) "
+                "ON CONFLICT DO NOTHING",
+                [(info.name, user, info.created) for user in info.members],
+            )
+        return True
+
+    def set_project_quota(
+        self,
+        name: str,
+        *,
+        gpus: int | UnsetType | None = UNSET,
+        slots: int | UnsetType | None = UNSET,
+    ) -> bool:
+        columns = [
+            (column, value)
+            for column, value in (("gpu_quota", gpus), ("slot_quota", slots))
+            if value is not UNSET
+        ]
+        with self._guarded:
+            if not columns:
+                return self._project_exists(name)
+            assignments = ", ".join(f"{column} = ?" for column, _ in columns)
+            return (
+                self._db.execute(
+                    f"UPDATE projects SET {assignments} WHERE name = ?",
+                    [*(value for _, value in columns), name],
+                ).rowcount
+                == 1
+            )
+
+    def _project_exists(self, name: str) -> bool:
+        return (
+            self._db.execute("SELECT 1 FROM projects WHERE name = ?", (name,)).fetchone()
+            is not None
+        )
+
+    def add_project_member(self, project: str, user: str, added: float) -> bool:
+        with self.transaction():
+            if not self._project_exists(project):
+                return False
+            self._db.execute(
+                "INSERT INTO project_members (project, user_name, added) VALUES (?,?,?) "
+                "ON CONFLICT DO NOTHING",
+                (project, user, added),
+            )
+        return True
+
+    def remove_project_member(self, project: str, user: str) -> bool:
+        with self._guarded:
+            return (
+                self._db.execute(
+                    "DELETE FROM project_members WHERE project = ? AND user_name = ?",
+                    (project, user),
+                ).rowcount
+                == 1
+            )
+
+    def delete_project(self, name: str) -> bool:
+        with self.transaction():
+            if not self._project_exists(name):
+                return False
+            # jobs_by_project finds its jobs; a job not final keeps the project.
+            (active,) = self._db.execute(
+                f"SELECT COUNT(*) FROM jobs WHERE project = ? AND {_NOT_FINAL}", (name,)
+            ).fetchone()
+            if active:
+                raise InvalidStateError(
+                    f"project {name} has {active} job{'s' if active != 1 else ''} that "
+                    f"{'are' if active != 1 else 'is'} not final (queued or running); cancel "
+                    "them, or wait for them to end, then delete it"
+                )
+            self._db.execute(
+                "UPDATE jobs SET project = ? || project WHERE project = ?", (_DELETED, name)
+            )
+            self._db.execute("DELETE FROM project_members WHERE project = ?", (name,))
+            self._db.execute("DELETE FROM project_usage WHERE project = ?", (name,))
+            self._db.execute("DELETE FROM projects WHERE name = ?", (name,))
+        return True
+
+    def list_projects(self) -> list[ProjectInfo]:
+        with self._guarded:
+            rows = self._db.execute(
+                "SELECT name, gpu_quota, slot_quota, created FROM projects ORDER BY created, name"
+            ).fetchall()
+            members = self.project_members()
+        found = {
+            str(name): ProjectInfo(
+                name=str(name),
+                gpus=None if gpus is None else int(gpus),
+                slots=None if slots is None else int(slots),
+                created=float(created),
+                members=[],
+            )
+            for name, gpus, slots, created in rows
+        }
+        for name, user in members:
+            if name in found:
+                found[name].members.append(user)
+        return list(found.values())
+
+    def project_members(self) -> list[tuple[str, str]]:
+        with self._guarded:
+            rows = self._db.execute(
+                # rowid: in the order added, also for two added at one time.
+                "SELECT project, user_name FROM project_members ORDER BY added, rowid"
+            ).fetchall()
+        return [(str(project), str(user)) for project, user in rows]
+
+    def load_usage(self) -> dict[str, tuple[float, float]]:
+        with self._guarded:
+            rows = self._db.execute("SELECT project, usage, at FROM project_usage").fetchall()
+        return {str(project): (float(usage), float(at)) for project, usage, at in rows}
+
+    def save_usage(self, project: str, usage: float, at: float) -> None:
+        with self._guarded:
+            _save_usage(self._db, project, usage, at)
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _save_usage(db: sqlite3.Connection, project: str, usage: float, at: float) -> None:
+    db.execute(
+        "INSERT INTO project_usage (project, usage, at) VALUES (?,?,?) "
+        "ON CONFLICT (project) DO UPDATE SET usage = excluded.usage, at = excluded.at",
+        (project, usage, at),
+    )

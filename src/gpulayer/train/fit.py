@@ -43,9 +43,12 @@ from gpulayer.train.profilers import Profiler, timed, timed_hook, timed_iter, ti
 from gpulayer.train.progress import ProgressBar
 
 if TYPE_CHECKING:
+    from gpulayer.train.preemption import Preemption
     from gpulayer.train.trainer import Trainer
 
 _END = object()
+#: The loader failed after SIGTERM (it ends DataLoader workers): no next batch.
+_CUT = object()
 
 
 @dataclass
@@ -132,6 +135,8 @@ class Run:
     resume: ResumePoint | None = None
     #: The Trainer's profiler; None when it records nothing (the default).
     profiler: Profiler | None = None
+    #: Checkpoint-on-SIGTERM, when GPULAYER_PREEMPT_NOTICE is set (fit only).
+    preempt: Preemption | None = None
     train_store: MetricStore = field(
         default_factory=lambda: MetricStore(on_step=True, on_epoch=False)
     )
@@ -309,10 +314,13 @@ def fit_loop(trainer: Trainer, run: Run) -> None:
     call_callbacks(trainer, run, "on_train_start")
     timed_hook(run, "on_train_start")()
     epoch = timed(run.profiler, "run_training_epoch", train_epoch)
+    preempt = run.preempt
     while not trainer.should_stop and not trainer.max_steps_reached:
         if trainer.max_epochs >= 0 and trainer.current_epoch >= trainer.max_epochs:
             break
         epoch(trainer, run)
+        if preempt is not None and preempt.requested:
+            preempt.stop(trainer, run)  # a safe point: between epochs
     call_callbacks(trainer, run, "on_train_end")
     timed_hook(run, "on_train_end")()
 
@@ -491,11 +499,22 @@ def train_epoch(trainer: Trainer, run: Run) -> None:
     val_every, validate = run.val_every, _validation_due(trainer)
     by_total = trainer.check_val_every_n_epoch is None
     alone = not run.env.distributed
+    preempt = run.preempt
 
     while pending is not _END:
         batch = pending
         nxt = batch_idx + 1
-        pending = next(iterator, _END) if count is None or nxt < count else _END
+        if count is None or nxt < count:
+            try:
+                pending = next(iterator, _END)
+            except Exception:
+                # SIGTERM went to the DataLoader's workers too, and torch's own
+                # handler ends them: train the batch in hand, then save.
+                if preempt is None or not preempt.received:
+                    raise
+                pending = _CUT
+        else:
+            pending = _END
         last = pending is _END
         stepping = last or nxt % accumulate == 0
         batch = transfer(batch, device)
@@ -598,6 +617,17 @@ def train_epoch(trainer: Trainer, run: Run) -> None:
             if not (last or stop) and trainer.is_global_zero:
                 _show_epoch_metrics(trainer, run)  # at the epoch's end otherwise
         position.stepped_batches += stepping
+        # Preempted (SIGTERM, GPULAYER_PREEMPT_NOTICE set): the safe point is
+        # here, the batch's hooks done, right after an optimizer step (no
+        # accumulated gradient is lost). The epoch's last batch waits for
+        # the epoch's end, so that its hooks run first. Without a next batch
+        # (_CUT) it is here whatever the accumulation.
+        if (
+            preempt is not None
+            and not last
+            and ((preempt.requested and stepping) or pending is _CUT)
+        ):
+            preempt.stop(trainer, run)
         batch_idx = nxt
         if stop:
             ended = "stopped"

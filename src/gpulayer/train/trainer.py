@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from gpulayer.train import distributed
+from gpulayer.train import distributed, preemption
 from gpulayer.train.accelerator import resolve_device, select_accelerator
 from gpulayer.train.callbacks import Callback, EarlyStopping
 from gpulayer.train.checkpoint import atomic_save, load_checkpoint
@@ -410,10 +410,21 @@ class Trainer:
         path = resolve_ckpt_path(
             ckpt_path, self.default_root_dir, self.checkpoint_callbacks, self.loggers
         )
+        # A preemptible job: checkpoint on SIGTERM, resume on the next attempt.
+        notice = preemption.notice_seconds(os.environ)
+        guard = preemption.Preemption(self, notice, os.environ) if notice is not None else None
 
         def body(run: Run) -> None:
             run.train_source, run.val_source = train, val
-            checkpoint = load_checkpoint(path, map_location="cpu") if path is not None else None
+            checkpoint = None
+            if guard is not None:
+                run.preempt = guard
+                guard.attach(self, run)
+            if path is not None:
+                checkpoint = load_checkpoint(path, map_location="cpu")
+            elif guard is not None and ckpt_path is None:
+                # Any ckpt_path given wins, "last" finding nothing included.
+                checkpoint = guard.find_checkpoint(self, run)
             if checkpoint is not None:
                 # As Lightning: the module, datamodule and callbacks first, so that
                 # on_load_checkpoint can reshape the model before the optimizers exist.
@@ -440,11 +451,23 @@ class Trainer:
             if sanity and checkpoint is None and self.validating_in_fit:
                 sanity_check(self, run, sanity, lambda: ensure_val_data(self, run))
             fit_loop(self, run)
+            if guard is not None:
+                guard.after_loop(self, run)
             self._keep_last_step_values(run)
             call_callbacks(self, run, "on_fit_end")
             timed_hook(run, "on_fit_end")()
 
-        self._call("fit", model, datamodule, body)
+        if guard is None:
+            self._call("fit", model, datamodule, body)
+            return
+        guard.install()
+        normal = False
+        try:
+            self._call("fit", model, datamodule, body)
+            guard.finished()
+            normal = True
+        finally:
+            guard.close(normal=normal)
 
     def validate(
         self,

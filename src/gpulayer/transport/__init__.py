@@ -24,6 +24,7 @@ from ..jobs import (
     TaskStarted,
     WorkerInfo,
 )
+from ..projects import ProjectUsage
 from ..spec import MAX_LABEL_KEY_CHARS, MAX_LABEL_VALUE_CHARS, MAX_LABELS, JobSpec
 
 
@@ -110,6 +111,12 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def list_workers(self) -> list[WorkerInfo]: ...
+
+    @abc.abstractmethod
+    def usage(self) -> list[ProjectUsage]:
+        """Usage by project, the rows the caller may see (see
+        ``service/projects.py``): GPU-hours over the last day and week, jobs
+        running and waiting, what they hold, quotas."""
 
     @abc.abstractmethod
     def missing_blobs(self, digests: Iterable[str]) -> set[str]:

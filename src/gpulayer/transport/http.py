@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from .. import defaults
+from ..access import check_user_name
 from ..artifacts import ArtifactStore, sha256_file
 from ..errors import (
     AccessDenied,
@@ -45,6 +47,7 @@ from ..errors import (
 from ..http.schemas import TokenInfo
 from ..ids import new_id
 from ..jobs import Instruction, JobInfo, LogChunk, LogLine, TaskResult, TaskStarted, WorkerInfo
+from ..projects import ProjectInfo, ProjectNotFound, ProjectUsage, check_project_name
 from ..spec import JobSpec
 from . import Transport
 from .wire import Connection, Disconnected, Response
@@ -327,6 +330,10 @@ class HttpTransport(Transport):
             return ArtifactError(message)
         if status == 404 and message.startswith("no token "):
             return TransportError(message)
+        if status == 404 and (
+            message.startswith("no project ") or " is not a member of project " in message
+        ):
+            return ProjectNotFound(message)
         if status == 404:
             return JobNotFoundError(message)
         if status == 409:
@@ -471,6 +478,9 @@ class HttpTransport(Transport):
 
     def list_workers(self) -> list[WorkerInfo]:
         return self._call("GET", "/api/v1/workers", list[WorkerInfo])
+
+    def usage(self) -> list[ProjectUsage]:
+        return self._call("GET", "/api/v1/usage", list[ProjectUsage])
 
     # ---- blobs ----
 
@@ -708,6 +718,52 @@ class HttpTransport(Transport):
         with self._exchange("DELETE", f"/api/v1/tokens/{_q(token_id)}", retry=False) as response:
             response.read()
 
+    # ---- projects (each needs an admin token) ----
+
+    def create_project(
+        self, name: str, *, gpus: int | None = None, slots: int | None = None
+    ) -> ProjectInfo:
+        """A new project with these quotas (None: no limit). InvalidStateError
+        if one has that name."""
+        # Not sent again after a failure: had the first gone through, a
+        # second would say the project exists.
+        body = _encode({"name": name, "gpus": gpus, "slots": slots})
+        return self._call("POST", "/api/v1/projects", ProjectInfo, body=body, retry=False)
+
+    def list_projects(self) -> list[ProjectInfo]:
+        """Every project, oldest first, with its quotas and members."""
+        return self._call("GET", "/api/v1/projects", list[ProjectInfo])
+
+    def set_project_quota(
+        self,
+        name: str,
+        *,
+        gpus: int | UnsetType | None = UNSET,
+        slots: int | UnsetType | None = UNSET,
+    ) -> ProjectInfo:
+        """Change its quotas: a number, None for no limit, UNSET to leave it."""
+        given: dict[str, int | None] = {}
+        if not isinstance(gpus, UnsetType):
+            given["gpus"] = gpus
+        if not isinstance(slots, UnsetType):
+            given["slots"] = slots
+        path = _project_path(name)
+        return self._call("PATCH", path, ProjectInfo, body=_encode(given))
+
+    def add_project_member(self, name: str, user: str) -> ProjectInfo:
+        return self._call("PUT", _project_path(name, user), ProjectInfo)
+
+    def remove_project_member(self, name: str, user: str) -> ProjectInfo:
+        """ProjectNotFound if there is no such project or ``user`` is not in it."""
+        # Not sent again: a second would say the user is not in it.
+        return self._call("DELETE", _project_path(name, user), ProjectInfo, retry=False)
+
+    def delete_project(self, name: str) -> None:
+        """InvalidStateError while a job in it is queued or running."""
+        path = _project_path(name)
+        with self._exchange("DELETE", path, retry=False) as response:
+            response.read()
+
     def close(self) -> None:
         with self._idle_lock:
             idle, self._idle = self._idle, []
@@ -764,6 +820,13 @@ class _Reader:
 
 def _q(segment: str) -> str:
     return urllib.parse.quote(segment, safe="")
+
+
+def _project_path(name: str, user: str | None = None) -> str:
+    """A project's route (and a member's). The names are checked here first: one
+    with a ``/`` in it would reach another route, and be refused in other words."""
+    path = f"/api/v1/projects/{_q(check_project_name(name))}"
+    return path if user is None else f"{path}/members/{_q(check_user_name(user))}"
 
 
 __all__ = ["HttpTransport"]

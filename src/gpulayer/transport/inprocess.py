@@ -19,6 +19,7 @@ from ..jobs import (
     TaskStarted,
     WorkerInfo,
 )
+from ..projects import ProjectUsage
 from ..service import ControlPlane
 from ..spec import JobSpec
 from . import Transport
@@ -55,6 +56,9 @@ class InProcessTransport(Transport):
 
     def list_workers(self) -> list[WorkerInfo]:
         return self.plane.list_workers()
+
+    def usage(self) -> list[ProjectUsage]:
+        return self.plane.usage()
 
     def missing_blobs(self, digests: Iterable[str]) -> set[str]:
         return {d for d in digests if not self.artifacts.has(d)}

@@ -44,7 +44,7 @@ import msgspec
 
 from .. import defaults
 from ..artifacts import ArtifactStore
-from ..errors import ServerUnreachable
+from ..errors import GPUlayerError, ServerUnreachable
 from ..jobs import LogLine, Outcome, RunTask, TaskResult, TaskStarted
 from ..outputs import OutputLimitError
 from ..spec import ArtifactRef
@@ -67,7 +67,7 @@ from .logs import LogSender, TaskLog
 from .process import KILL_WAIT_S, RunAs, Starter, TaskProcess, spawn, terminate_tree
 from .warm import WarmProcess, WarmStarts, WarmUnavailable
 from .watch import watch_all
-from .workspace import prepare
+from .workspace import SCRATCH, prepare
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class TaskRun:
         self._box: Box | None = None
         self.run_as = run_as  # the Unix user the job runs as, if not the worker's
         # Its processes fork from the worker's ready interpreter where they
-        # can (warm.py); ``start_mode`` says whether they all did, or why not.
+        # can (warm/); ``start_mode`` says whether they all did, or why not.
         self.warm = warm
         self.start_mode: str | None = None
         # Its own thread, if it gets one (a task handed to the thread that
@@ -393,6 +393,7 @@ class TaskRun:
                 *([self.dir / "torchrun"] if torchrun else []),
                 inputs=inputs if spec.inputs else None,
             )
+            self.run_as.give(self.dir / SCRATCH)  # the job's to write, as its workspace
         argv = (
             [sys.executable, spec.script, *spec.args]
             if spec.script
@@ -409,6 +410,9 @@ class TaskRun:
             ws.env,
             visible_devices_env(self.gpu_vendor, self.task.gpus),
             {"GPULAYER_JOB_ID": self.task.job_id, "GPULAYER_ATTEMPT": str(self.task.attempt)},
+            # From the start, so that its code can prepare (the Trainer
+            # checkpoints when SIGTERM comes within that many seconds).
+            {"GPULAYER_PREEMPT_NOTICE": f"{self.kill_grace:g}"} if spec.preemptible else {},
         ):
             for key, value in extra.items():
                 env[os.fsencode(key)] = os.fsencode(value)
@@ -658,6 +662,8 @@ class TaskRun:
             ending = self._ending
         rank, code = self._decide([code for code, _ in ended])
         fields: dict[str, object] = {}
+        if self.task.node == 0 and self._may_run_again(ending, code):
+            fields["scratch"] = self._keep_scratch()
         if refused is not None:  # it fails, with why, whatever its exit code
             ending, fields["error"] = ending or "error", refused
         if rank is not None:
@@ -667,6 +673,28 @@ class TaskRun:
         return self._result(
             ending or "exited", exit_code=code, outputs=outputs, missing_outputs=missing, **fields
         )
+
+    def _may_run_again(self, ending: Outcome | None, code: int) -> bool:
+        """Whether the job may have another attempt after this one, which
+        would then get its scratch folder: not if it succeeded or was
+        cancelled; else if it may be retried or preempted."""
+        if ending == "cancelled" or (ending is None and code == 0):
+            return False
+        spec = self.task.spec
+        return spec.max_retries > 0 or spec.preemptible or ending == "preempted"
+
+    def _keep_scratch(self) -> ArtifactRef | None:
+        """Store the scratch folder as it is, for the next attempt (None: it
+        could not be, and the next attempt gets the last one stored). As an
+        output is, never through a link, and within the outputs' limit."""
+        try:
+            found, _ = collect_outputs(
+                [SCRATCH], self.dir, self.transport, max_bytes=self.max_output_bytes
+            )
+        except (OutputLimitError, GPUlayerError, OSError) as exc:
+            log.warning("task %s: its scratch folder was not kept: %s", self.task.job_id, exc)
+            return None
+        return found.get(SCRATCH)
 
     def _decide(self, codes: list[int]) -> tuple[int | None, int]:
         """The rank (if any) and exit code the task reports."""

@@ -98,7 +98,7 @@ class Worker:
         preload: Sequence[str] | None = None,
     ) -> None:
         """``warm``: fork script tasks from a ready interpreter that has
-        imported ``preload`` (see warm.py; None: ``GPULAYER_WARM``,
+        imported ``preload`` (see warm/; None: ``GPULAYER_WARM``,
         ``GPULAYER_PRELOAD``, else on, with torch and numpy).
         ``containment``: how it keeps every process a task starts
         (``GPULAYER_CONTAINMENT`` if None; see ``containment.py``).
@@ -503,7 +503,7 @@ class Worker:
     @staticmethod
     def _apply(run: TaskRun, instruction: Instruction) -> None:
         if isinstance(instruction, CancelTask):
-            run.stop("cancelled")
+            run.stop("preempted" if instruction.preempt else "cancelled")
         elif isinstance(instruction, Rendezvous):
             run.set_master_port(instruction.master_port)
 

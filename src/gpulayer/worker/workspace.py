@@ -7,6 +7,8 @@ collected by ``collect.py``).
       workspace/          the job's working directory: the bundle's files,
                           plus a symlink per input
       inputs/<name>       each input, as a file or a directory tree
+      scratch/            $GPULAYER_SCRATCH: what the job's last attempt
+                          left there (see ``SCRATCH``), kept for its next
 
 Blobs come through the transport into the worker's cache; a cache hit copies
 no bytes over the network. Every file the job gets is its own (a copy, or a
@@ -18,6 +20,7 @@ job that cannot write them (run as another Unix user; see ``link_blobs``).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -27,8 +30,19 @@ from pathlib import Path
 
 from .. import bundle
 from ..artifacts import ArtifactStore
+from ..errors import GPUlayerError, ServerUnreachable
 from ..jobs import RunTask
 from ..transport import Transport
+
+# The task folder's scratch folder, $GPULAYER_SCRATCH. What node 0's task
+# leaves there when its attempt does not succeed is stored (as an output
+# is) and laid out in the next attempt's, on whichever worker that runs:
+# a snapshot written there survives a retry, a preemption, a lost worker's
+# replacement (the last stored one: a worker that vanished stored nothing).
+SCRATCH = "scratch"
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,7 +74,22 @@ def prepare(
     if spec.bundle is not None:
         blob(spec.bundle)
         bundle.materialize(bundle.load(cache, spec.bundle), cwd, blob, link_blobs=link_blobs)
-    env = {"GPULAYER_WORKSPACE": str(cwd)}
+    scratch = task_dir / SCRATCH
+    if task.scratch is not None:
+        try:
+            blob(task.scratch.digest)
+            manifest = bundle.load(cache, task.scratch.digest)
+            bundle.materialize(manifest, scratch, blob, link_blobs=link_blobs)
+        except ServerUnreachable:
+            raise  # (as for its bundle: the task fails to start, and says why)
+        except GPUlayerError as exc:
+            # The attempt runs, from an empty scratch folder, as its first did:
+            # what the last one kept is lost, which a job that snapshots
+            # must survive anyway (a worker that vanished kept nothing).
+            log.warning("task %s: its scratch folder could not be laid out: %s", task.job_id, exc)
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir()
+    env = {"GPULAYER_WORKSPACE": str(cwd), "GPULAYER_SCRATCH": str(scratch)}
     if spec.inputs:
         inputs = task_dir / "inputs"
         inputs.mkdir()
@@ -92,13 +121,18 @@ def make_spare(task_dir: Path) -> Path:
     wait for it.
     """
     (task_dir / "workspace").mkdir(parents=True)
+    (task_dir / SCRATCH).mkdir()
     return task_dir
 
 
 def reuse_if_empty(task_dir: Path) -> Path | None:
     """``task_dir`` again when its task left it as it was made (nothing written)."""
     try:
-        if os.listdir(task_dir) == ["workspace"] and not os.listdir(task_dir / "workspace"):
+        if (
+            sorted(os.listdir(task_dir)) == [SCRATCH, "workspace"]
+            and not os.listdir(task_dir / "workspace")
+            and not os.listdir(task_dir / SCRATCH)
+        ):
             return task_dir
     except OSError:
         pass
