@@ -109,16 +109,34 @@ def test_a_job_bigger_than_the_whole_quota_blocks_nothing_and_says_so() -> None:
     )
 
 
-def test_within_a_project_a_big_job_is_not_overtaken_by_later_ones_of_its_shape() -> None:
-    # Quota 4, 2 held: the 4-GPU job waits; later 4-GPU jobs of the project
-    # wait behind it, but its 1-GPU jobs (another shape) may run.
+def test_within_a_project_a_big_job_is_not_overtaken_by_its_later_small_ones() -> None:
+    # Quota 4, 3 held: the 4-GPU job waits, and the project's later GPU
+    # jobs, of any size, wait behind it (else a stream of 1-GPU jobs would
+    # keep it waiting for ever); its CPU jobs, on another quota, do not.
     reqs = [
         Request("big", 0, 0, gpus=4, project="vision"),
         Request("big2", 0, 1, gpus=4, project="vision"),
         Request("one", 0, 2, gpus=1, project="vision"),
+        Request("cpu", 0, 3, gpus=0, project="vision"),
+        Request("other", 0, 4, gpus=1, project="nlp"),
     ]
-    shares = Shares(quotas={"vision": Quota(gpus=4)}, held={"vision": (2, 0)})
-    assert placed(place(reqs, [gpu("w", 8)], shares=shares)) == ["one"]
+    shares = Shares(quotas={"vision": Quota(gpus=4, slots=2)}, held={"vision": (3, 0)})
+    caps = [gpu("w", 8, {3, 4, 5, 6, 7}), cpu("c", 2)]
+    assert sorted(placed(place(reqs, caps, shares=shares))) == ["cpu", "other"]
+    # A higher-priority job of the project is not held behind a lower one.
+    urgent = Request("urgent", 5, 5, gpus=1, project="vision")
+    assert "urgent" in placed(place([*reqs, urgent], caps, shares=shares))
+
+
+def test_a_job_that_can_never_fit_does_not_switch_preemption_off_for_the_rest() -> None:
+    # From the review: a careless user's high-priority 16-GPU job, where the
+    # largest worker has 8, came first; the 1-GPU job behind it still gets
+    # room by preemption.
+    full = [gpu("w", 8, set())]
+    running = [victim("low", 0, 1.0, "w", *range(8))]
+    waiting = [Request("huge", 10, 1, gpus=16), Request("small", 5, 2, gpus=1)]
+    got = preempt(waiting, full, running, now=100.0)
+    assert got is not None and got.for_job == "small"
 
 
 def test_a_quota_lowered_under_what_runs_places_nothing_more_and_kills_nothing() -> None:

@@ -135,7 +135,7 @@ def test_a_project_with_a_job_not_final_is_not_deleted(store: SqliteStore) -> No
     assert _ids(store.list_jobs(project="vision")) == []
     assert store.get_job("s", user="bob", projects=["vision"]) is None
     kept = store.get_job("s", user="alice")
-    assert kept is not None and kept.spec.project == "vision"  # its spec still says
+    assert kept is not None and kept.spec.project == "~vision"  # read as the deleted one's
     assert _ids(store.list_jobs(project="other")) == ["o"]
 
 

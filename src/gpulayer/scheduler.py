@@ -18,9 +18,11 @@ The service calls :func:`place` on submit and whenever capacity frees. Rules:
 7. Quotas: a project's running jobs hold at most its quota of GPUs, and of
    CPU slots (a GPU job's slots count as its GPUs). A job that would take its
    project past the quota waits, and so do the later jobs of its project of
-   the same shape (GPUs and nodes): first come, first served within a project,
-   so a stream of small jobs cannot keep its own project's big one waiting
-   either. A job bigger than the whole quota blocks nothing: it can never run
+   the same kind (GPU jobs, or CPU jobs): first come, first served within a
+   project, so a stream of small jobs cannot keep its own project's big one
+   waiting (the price: what is left of the quota may stay unused while the
+   big one waits, as a reserved worker's slots do under rule 4). A job
+   bigger than the whole quota blocks nothing: it can never run
    (:func:`explain` says so). A quota-bound job reserves no worker.
 8. Fair share: among jobs of equal priority, the project with the least
    recent usage goes first. Usage is decayed GPU-seconds (:class:`Shares`,
@@ -236,7 +238,8 @@ class _Projects:
         self.quotas = shares.quotas
         self.held = dict(shares.held)
         # Set by place() on the job it was just given when that job's quota
-        # holds it back: the rest of its shape then waits (rule 7).
+        # holds it back: the project's later jobs of its kind (GPU or CPU)
+        # then wait behind it (rule 7).
         self.blocked = False
 
     def key(self, project: str) -> float:
@@ -269,7 +272,8 @@ def _fair_order(waiting: Waiting, projects: _Projects) -> Iterator[Request]:
     placed, which happens only while it is the one popped, so no entry in
     the heap over projects is ever stale. The caller sets
     ``projects.blocked`` when the job it was given is held back by its
-    quota: the rest of that shape then waits (rule 7).
+    quota: the project's shapes of that kind (GPU jobs, or CPU jobs) leave
+    this pass, so its later jobs of that kind wait behind it (rule 7).
     """
     by_id = waiting._by_id
     inner: dict[str, list[tuple[int, int, int, Shape]]] = {}
@@ -289,7 +293,11 @@ def _fair_order(waiting: Waiting, projects: _Projects) -> Iterator[Request]:
         ranks = shapes[shape]
         projects.blocked = False
         yield by_id[ranks[index][2]]
-        if not projects.blocked and index + 1 < len(ranks):
+        if projects.blocked:
+            gpu_kind = shape[1] > 0
+            heads[:] = [h for h in heads if (h[3][1] > 0) != gpu_kind]
+            heapq.heapify(heads)
+        elif index + 1 < len(ranks):
             nxt = ranks[index + 1]
             heapq.heappush(heads, (nxt[0], nxt[1], index + 1, shape))
         if heads:
@@ -331,7 +339,7 @@ def place(
         if projects.over(req):
             quota = projects.quotas.get(req.project, NO_QUOTA)
             if quota.exceeded_by(req.demand) is None:
-                projects.blocked = True  # its shape waits for its project's jobs to end
+                projects.blocked = True  # its project's later jobs of its kind wait behind it
             continue  # bigger than the whole quota: it blocks nothing (rule 7)
         # Best fit: CPU jobs on CPU slots first, then the fewest free slots.
         best: list[tuple[tuple[bool, int, str], Capacity]] = []
@@ -436,6 +444,8 @@ def preempt(
             continue  # it waits for time or its quota, which stopping nothing helps
         if req.job_id in held.values():
             return None  # room is being made for it already
+        if sum(1 for c in capacities if _could_ever_fit(c, req.gpus)) < req.nodes:
+            continue  # no worker could ever hold it: it waits for none (rule 5)
         choice = _room_for(req, caps, on, held)
         if choice is not None:
             chosen, workers = choice

@@ -141,7 +141,11 @@ class PlaneCore:
         # old one may still be on its way from other workers), uncounted.
         # A job preempted goes again too, uncounted (unless it was being
         # cancelled as well: then the cancel wins).
-        preempted = result.outcome == "preempted" and not cancel
+        # (A worker from before preemption reads the request as a cancel.)
+        preempted = not cancel and (
+            result.outcome == "preempted"
+            or (result.outcome == "cancelled" and run.preempted_for is not None)
+        )
         given_back = run.given_back + (1 if result.outcome == "returned" or preempted else 0)
         if preempted:
             state, again = jobs.QUEUED, True
@@ -452,7 +456,26 @@ class PlaneCore:
         if not caps:
             return []
         now = self._clock()
+        if self._held_for:
+            self._prune_holds()
         return place(self._waiting, caps, now, self._shares(now), self._held_for)
+
+    def _prune_holds(self) -> None:
+        """Workers stay held for a job (rule 9) only while a job preempted
+        for it is still stopping, the worker is open, and the job waits: a
+        worker that went, a job cancelled, or victims all stopped (the pass
+        their end sets off places it, first in line) end the hold; a job its
+        quota now holds back cannot keep a worker idle past that either."""
+        stopping = {r.preempted_for for r in self._running.values() if r.preempted_for}
+        self._held_for = {
+            worker_id: job_id
+            for worker_id, job_id in self._held_for.items()
+            if job_id in stopping
+            and job_id in self._waiting
+            and (w := self._workers.get(worker_id)) is not None
+            and w.connected
+            and not w.closed
+        }
 
     def _shares(self, now: float) -> Shares:
         """Quotas, holdings and usage by project, for placement."""
@@ -496,6 +519,8 @@ class PlaneCore:
                 )
         if not victims:
             return
+        if self._held_for:
+            self._prune_holds()
         caps = [w.capacity() for w in self._open_workers()]
         choice = preempt(self._waiting, caps, victims, now, self._shares(now), self._held_for)
         if choice is None:

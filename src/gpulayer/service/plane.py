@@ -210,7 +210,8 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Dependencies):
         job = self.store.get_job(job_id, **only)
         if job is None:  # a prefix, or not the viewer's
             job = self.store.get_job(self.resolve(job_id, viewer), **only)
-            assert job is not None
+            if job is None:  # (it went, or is no longer the viewer's, meanwhile)
+                raise JobNotFoundError(f"no job with id {job_id!r}")
         if job.state == jobs.QUEUED and job.reason is None:
             job.reason = self._why_waiting(job)
         return redacted(job)

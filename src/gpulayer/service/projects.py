@@ -149,6 +149,11 @@ class ProjectAdmin(PlaneCore):
             if self._memberships.get(name) is None or not self.store.delete_project(name):
                 raise _missing(name)
             self._memberships.drop(name)
+            # Its final jobs kept here name it still: read from the store from
+            # now on, where they are the deleted project's (no member of a
+            # project made later under the name sees them).
+            for job_id in [j for j, f in self._finished.items() if f.spec.project == name]:
+                del self._finished[job_id]
 
     def list_projects(self) -> list[ProjectInfo]:
         """Every project, oldest first, with its members in the order added."""

@@ -43,7 +43,7 @@ _NOT_FINAL = "state NOT IN ({})".format(",".join(f"'{state}'" for state in sorte
 
 _JOB_COLUMNS = (
     "id, seq, state, spec, attempt, owner, worker, slots, gpus, exit_code, reason, "
-    "cancel_requested, pid, pid_created, marks, tasks, given_back, user_name, start"
+    "cancel_requested, pid, pid_created, marks, tasks, given_back, user_name, start, project"
 )
 
 
@@ -78,12 +78,18 @@ def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> J
         given_back,
         user,
         start,
+        project,
     ) = row
+    decoded = _decode_spec(spec)  # type: ignore[arg-type]
+    if project is not None and project != decoded.project and str(project).startswith(_DELETED):
+        # Its project was deleted: the row says so, and every look at the
+        # job goes by that (no member of a project made later sees it).
+        decoded = msgspec.structs.replace(decoded, project=str(project))
     return JobInfo(
         id=str(jid),
         seq=int(seq),  # type: ignore[call-overload]
         state=str(state),
-        spec=_decode_spec(spec),  # type: ignore[arg-type]
+        spec=decoded,
         attempt=int(attempt),  # type: ignore[call-overload]
         given_back=int(given_back),  # type: ignore[call-overload]
         owner=owner,  # type: ignore[arg-type]

@@ -79,7 +79,9 @@ def prepare(
         try:
             blob(task.scratch.digest)
             manifest = bundle.load(cache, task.scratch.digest)
-            bundle.materialize(manifest, scratch, blob, link_blobs=link_blobs)
+            # Copies (or clones), never links to the cache: the job rewrites
+            # its snapshots in place, even run as another user.
+            bundle.materialize(manifest, scratch, blob)
         except ServerUnreachable:
             raise  # (as for its bundle: the task fails to start, and says why)
         except GPUlayerError as exc:
