@@ -160,6 +160,8 @@ def test_the_queue_keeps_rank_order_across_shapes_and_projects() -> None:
     assert list(waiting) == order(left)
     assert len(waiting) == len(left) and reqs[1].job_id in waiting
     assert reqs[0].job_id not in waiting
+    assert waiting.top_priority() == max(r.priority for r in left)
+    assert Waiting().top_priority() is None
 
 
 @st.composite

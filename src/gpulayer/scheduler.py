@@ -201,6 +201,13 @@ class Waiting:
     def get(self, job_id: str) -> Request | None:
         return self._by_id.get(job_id)
 
+    def top_priority(self) -> int | None:
+        """The highest priority of a waiting job (None: none waits); a look
+        at each shape's head."""
+        if not self._shapes:
+            return None
+        return -min(ranks[0][0] for ranks in self._shapes.values())
+
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._by_id
 

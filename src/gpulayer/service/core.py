@@ -89,7 +89,7 @@ class PlaneCore:
         self._running: dict[str, Running] = {}
         # The running jobs marked preemptible, and the workers held for the
         # waiting job that preempted jobs on them make room for (rule 9).
-        self._preemptible: set[str] = set()
+        self._preemptible: dict[str, int] = {}  # job id -> its priority
         self._held_for: dict[str, str] = {}
         # Dependencies (see dependencies.py): each held-back job's jobs not
         # final yet, and the reverse; jobs ended lately whose dependents the
@@ -502,12 +502,17 @@ class PlaneCore:
         self._running[job_id] = run
         self._accounts.start(_project(run), _demand(run), self._clock())
         if run.spec.preemptible:
-            self._preemptible.add(job_id)
+            self._preemptible[job_id] = run.spec.priority
 
     def _preempt(self, now: float) -> None:
         """Rule 9: stop the preemptible jobs that make room for the
         highest-ranked job waiting for it, and hold their workers for it."""
         if not self._preemptible or not self._queue:
+            return
+        # Nothing to do unless a job waits that outranks some preemptible
+        # one: checked before looking at each of them (thousands, perhaps).
+        top = self._waiting.top_priority()
+        if top is None or top <= min(self._preemptible.values()):
             return
         victims = []
         for job_id in self._preemptible:
@@ -644,7 +649,7 @@ class PlaneCore:
 
     def _release(self, job_id: str) -> Running:
         run = self._running.pop(job_id)
-        self._preemptible.discard(job_id)
+        self._preemptible.pop(job_id, None)
         for task in run.tasks:
             if not task.ended:
                 self._release_task(job_id, task)
