@@ -9,7 +9,7 @@ import pytest
 
 import gpulayer
 from gpulayer.access import Viewer
-from gpulayer.errors import InvalidStateError, JobNotFoundError, SpecError
+from gpulayer.errors import InvalidStateError, SpecError
 from gpulayer.jobs import RunTask, TaskResult, WorkerInfo
 from gpulayer.service import ControlPlane
 from gpulayer.spec import parse_spec
@@ -58,8 +58,14 @@ def test_a_job_after_one_that_already_failed_is_refused_and_nothing_is_stored(
 def test_bad_dependencies_are_refused_in_plain_words(client: gpulayer.Client) -> None:
     with pytest.raises(SpecError, match=r"after\[0\]: a job id \(or its start\) is 1 to 14"):
         client.submit(command=["true"], after=["../../etc"])
-    with pytest.raises(JobNotFoundError, match="no job with id 'zzzzzzzzzzzzzz'"):
+    with pytest.raises(SpecError, match=r"after\[0\]: no job with id 'zzzzzzzzzzzzzz'"):
         client.submit(command=["true"], after=["zzzzzzzzzzzzzz"])
+    with pytest.raises(SpecError, match=r"after_any: give a job, a job id or a list"):
+        client.submit(command=["true"], after_any=5)  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match=r"after\[1\]: give a job or a job id, not 5"):
+        client.submit(command=["true"], after=["0" * 14, 5])  # type: ignore[list-item]
+    with pytest.raises(SpecError, match="preemptible"):
+        client.submit(command=["true"], preemptible="no")  # type: ignore[arg-type]
     with pytest.raises(SpecError, match="at most 100 jobs to wait for"):
         client.submit(command=["true"], after_any=["0" * 14] * 101)
 
@@ -92,7 +98,7 @@ def test_a_waiting_job_says_what_it_waits_for(plane: ControlPlane) -> None:
 
 def test_no_one_can_wait_on_a_job_they_may_not_see(plane: ControlPlane) -> None:
     theirs = plane.submit(parse_spec({"command": ["x"]}), viewer=Viewer("ada"))
-    with pytest.raises(JobNotFoundError, match=f"no job with id {theirs.id!r}"):
+    with pytest.raises(SpecError, match=f"after\\[0\\]: no job with id {theirs.id!r}"):
         plane.submit(parse_spec({"command": ["y"], "after": [theirs.id]}), viewer=Viewer("eve"))
     assert plane.list_jobs(viewer=Viewer("eve")) == []
 

@@ -338,17 +338,15 @@ class Client:
         }
         if retry_delay is not None:  # left out otherwise: a server before it refuses the field
             fields["retry_delay"] = retry_delay
-        if not warm:  # as retry_delay: only when asked for
-            fields["warm"] = False
+        if warm is not True:  # as retry_delay: only when asked for (a non-bool is refused)
+            fields["warm"] = warm
         if project is not None:
             fields["project"] = project
-        if preemptible:
-            fields["preemptible"] = True
+        if preemptible is not False:  # (a non-bool is refused, naming it)
+            fields["preemptible"] = preemptible
         for key, jobs in (("after", after), ("after_any", after_any)):
-            if isinstance(jobs, (str, Job)):
-                jobs = [jobs]
             if jobs:
-                fields[key] = [j.id if isinstance(j, Job) else j for j in jobs]
+                fields[key] = _job_ids(key, jobs)
         if command is not None:
             fields["command"] = (
                 [str(c) for c in command] if not isinstance(command, str) else command
@@ -649,6 +647,23 @@ def _size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def _job_ids(field: str, jobs: object) -> list[str]:
+    """``jobs`` (a Job, an id, or a list of them) as ids; SpecError naming
+    ``field`` for anything else."""
+    from .errors import SpecError
+
+    if isinstance(jobs, (str, Job)):
+        jobs = [jobs]
+    if not isinstance(jobs, (list, tuple)):
+        raise SpecError(field, f"give a job, a job id or a list of them, not {jobs!r}")
+    ids = []
+    for index, job in enumerate(jobs):
+        if not isinstance(job, (str, Job)):
+            raise SpecError(f"{field}[{index}]", f"give a job or a job id, not {job!r}")
+        ids.append(job.id if isinstance(job, Job) else job)
+    return ids
 
 
 class Job:

@@ -181,7 +181,11 @@ def check_spec(spec: JobSpec) -> None:
         raise SpecError("name", "must not be blank")
     if len(spec.after) + len(spec.after_any) > MAX_DEPENDENCIES:
         raise SpecError(
-            "after",
+            "after"
+            if len(spec.after) > MAX_DEPENDENCIES
+            else "after_any"
+            if len(spec.after_any) > MAX_DEPENDENCIES
+            else "after and after_any",
             f"at most {MAX_DEPENDENCIES} jobs to wait for, got "
             f"{len(spec.after) + len(spec.after_any)}",
         )

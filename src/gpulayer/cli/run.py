@@ -320,7 +320,12 @@ def run(
         fields["preemptible"] = True
     for key in ("after", "after_any"):
         if flags[key]:
-            fields[key] = [*fields.get(key, []), *flags[key]]
+            listed = fields.get(key) or []
+            if isinstance(listed, str):  # one job, as the client takes it
+                listed = [listed]
+            if not isinstance(listed, list):
+                raise SpecError(key, f"give a job id or a list of them, not {listed!r}")
+            fields[key] = [*listed, *flags[key]]
     client = _client(ctx)
     if not follow and ctx.obj["server"] is None:
         raise click.UsageError(

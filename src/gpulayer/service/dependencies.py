@@ -24,7 +24,7 @@ from collections.abc import Callable
 import msgspec
 
 from .. import jobs
-from ..errors import InvalidStateError
+from ..errors import InvalidStateError, JobNotFoundError, SpecError
 from ..jobs import JobInfo
 from ..spec import JobSpec
 from .core import PlaneCore
@@ -39,8 +39,17 @@ class Dependencies(PlaneCore):
         that has already failed is refused: it could never run."""
         if not spec.after and not spec.after_any:
             return spec
-        after = list(dict.fromkeys(resolve(j) for j in spec.after))
-        after_any = list(dict.fromkeys(resolve(j) for j in spec.after_any))
+
+        def named(field: str, ids: list[str]) -> list[str]:
+            found = []
+            for index, job_id in enumerate(ids):
+                try:
+                    found.append(resolve(job_id))
+                except JobNotFoundError as exc:  # (one it may not see, too)
+                    raise SpecError(f"{field}[{index}]", f"{exc}: nothing to wait for") from None
+            return list(dict.fromkeys(found))
+
+        after, after_any = named("after", spec.after), named("after_any", spec.after_any)
         for job_id in after:
             state = self._final_state(job_id)
             if state is not None and state != jobs.SUCCEEDED:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -234,6 +234,27 @@ def _log_batch(trainer: Trainer, run: Run, store: MetricStore, index: int) -> No
         log_to_loggers(trainer.loggers, to_host(values), step)
 
 
+def _until_preempted(batches: Iterable[Any], trainer: Trainer, run: Run) -> Iterator[Any]:
+    """``batches``; but when SIGTERM has come (a preemption, see
+    preemption.py) and the loader fails, as it does once torch's own handler
+    has ended its workers, the fit's checkpoint is saved now (the state after
+    its last optimizer step; this validation's partial results are dropped)
+    and the fit ends Preempted, as in training."""
+    iterator = iter(batches)
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except Exception:
+            preempt = run.preempt
+            if preempt is None or not preempt.received:
+                raise
+            preempt.stop(trainer, run)  # raises Preempted
+            raise
+        yield batch
+
+
 def evaluation_loop(
     trainer: Trainer,
     run: Run,
@@ -280,7 +301,7 @@ def evaluation_loop(
             store.dataloader_idx = index if several else None
             # Timed beneath the limit: stopping at the limit fetches nothing.
             batches = itertools.islice(timed_iter(run.profiler, fetch, loader), loader_limit)
-            for batch_idx, batch in enumerate(batches):
+            for batch_idx, batch in enumerate(_until_preempted(batches, trainer, run)):
                 batch = transfer(batch, device)
                 store.batch = batch
                 for hook in starts:

@@ -28,6 +28,7 @@ Python attribute read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -70,6 +71,9 @@ _TELL_TIMEOUT = timedelta(seconds=5)
 _SIDE_TIMEOUT = timedelta(days=3650)
 #: Where torch's DataLoader SIGCHLD handler is defined.
 _TORCH_SIGCHLD = "torch.utils.data._utils.signal_handling"
+# A fit that fails waits this long for its watcher to hear rank 0's word,
+# so that its side group can be destroyed (else it is left, as on exit).
+_WATCHER_JOIN_S = 5.0
 
 _log = logging.getLogger("gpulayer.train")
 
@@ -336,14 +340,23 @@ class Preemption:
     def close(self, *, normal: bool) -> None:
         """Put the previous SIGTERM handler back; re-deliver a signal not acted on."""
         self._tell(_DONE, 0)  # rank 0 leaving on an error: the watchers end
-        if normal and self._group is not None and self._watcher is None:
-            dist.destroy_process_group(self._group)
+        if self._watcher is not None and not normal:
+            # Leaving on an error: its watcher ends when rank 0's word comes
+            # (rank 0 failing too sends it); a fit tried again in this
+            # process must not keep one more group (threads, connections).
+            self._watcher.join(timeout=_WATCHER_JOIN_S)
+            if not self._watcher.is_alive():
+                self._watcher = None
+        if self._group is not None and self._watcher is None:
+            with contextlib.suppress(Exception):  # (a group its peers already left)
+                dist.destroy_process_group(self._group)
             self._group = None
         if not self._installed:
             return
         self._installed = False
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        # None: the handler was set outside Python (an embedding host): the
+        # default, rather than ours left to swallow every later SIGTERM.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
         if self._sigchld is not None and signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL:
             signal.signal(signal.SIGCHLD, self._sigchld)
         if normal and self.received and not self._acted:

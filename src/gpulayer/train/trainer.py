@@ -25,9 +25,10 @@ A call, step by step (``stage`` is "fit", "validate", "test" or "predict"):
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -56,7 +57,7 @@ from gpulayer.train.config import (
 from gpulayer.train.data import check_reiterable, combine_loaders
 from gpulayer.train.datamodule import LOADERS, LightningDataModule, check_datamodule, defines
 from gpulayer.train.environment import ClusterEnvironment, detect_environment
-from gpulayer.train.errors import TrainerError, invalid_choice
+from gpulayer.train.errors import CheckpointError, TrainerError, invalid_choice
 from gpulayer.train.evaluate import call_callbacks, run_evaluation, run_prediction, sanity_check
 from gpulayer.train.fit import (
     LoopPosition,
@@ -123,6 +124,25 @@ def _wait_for_all_ranks(timeout: timedelta) -> None:
         dist.barrier(group=group)
     finally:
         dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def _not_this_run(guard: preemption.Preemption | None) -> Iterator[None]:
+    """A preemption checkpoint that fit found (not one it was given) that
+    does not fit this model or its optimizers (the script changed, or
+    another run's file was found): an error naming the file and what to do,
+    not a bare state_dict mismatch."""
+    if guard is None:
+        yield
+        return
+    try:
+        yield
+    except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(
+            f"the preemption checkpoint {guard.path} does not fit this model or its "
+            f"optimizers ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}); it was "
+            "written by another run: delete it to start over, or pass ckpt_path"
+        ) from exc
 
 
 class Trainer:
@@ -417,6 +437,7 @@ class Trainer:
         def body(run: Run) -> None:
             run.train_source, run.val_source = train, val
             checkpoint = None
+            found = False  # the preemption checkpoint, found rather than asked for
             if guard is not None:
                 run.preempt = guard
                 guard.attach(self, run)
@@ -425,17 +446,20 @@ class Trainer:
             elif guard is not None and ckpt_path is None:
                 # Any ckpt_path given wins, "last" finding nothing included.
                 checkpoint = guard.find_checkpoint(self, run)
+                found = checkpoint is not None
             if checkpoint is not None:
                 # As Lightning: the module, datamodule and callbacks first, so that
                 # on_load_checkpoint can reshape the model before the optimizers exist.
                 check_resumable(checkpoint)
-                restore_modules(self, run, checkpoint)
+                with _not_this_run(guard if found else None):
+                    restore_modules(self, run, checkpoint)
             run.optimizers, run.schedulers = parse_optimizers(
                 timed_hook(run, "configure_optimizers")(), several=manual
             )
             run.manual = [ManualOptimizer(o, self, run) for o in run.optimizers]
             if checkpoint is not None:
-                restore_training_state(self, run, checkpoint)
+                with _not_this_run(guard if found else None):
+                    restore_training_state(self, run, checkpoint)
             if run.env.distributed:
                 find_unused = self.strategy == "ddp_find_unused_parameters_true"
                 run.ddp = distributed.wrap_ddp(model, run.device, find_unused)
