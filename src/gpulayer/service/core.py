@@ -23,14 +23,13 @@ import msgspec
 
 from .. import defaults, jobs
 from ..errors import StoreError
-from ..fairshare import Accounts
 from ..jobs import CancelTask, JobInfo, LogLine, RunTask, TaskResult
 from ..outputs import UnsafeOutputError, check_result
-from ..projects import DEFAULT_PROJECT, Memberships
-from ..scheduler import Assignment, Quota, Shares, Victim, Waiting, place, preempt, retry_wait
+from ..scheduler import Assignment, Shares, Waiting, place, preempt, retry_wait
 from ..secretbox import SecretBox, redacted
 from ..signals import Signal
 from ..store import Store, Transaction
+from .sharing import USAGE_SAVE_S, Sharing
 from .state import (
     Done,
     ListedBlobs,
@@ -53,8 +52,6 @@ log = logging.getLogger(__name__)
 _RETRY_TIMER_MIN_S = 0.01
 # After the store refused placing what a back-off released, try again in this.
 _RETRY_STORE_AGAIN_S = 1.0
-# The projects' usage is stored at most this often (see _save_usage).
-_USAGE_SAVE_S = 60.0
 # The reason a retry's log line gives is cut to this many characters.
 _RETRY_WHY_MAX = 200
 
@@ -87,10 +84,6 @@ class PlaneCore:
         # only the heads (scheduler.Waiting).
         self._waiting = Waiting()
         self._running: dict[str, Running] = {}
-        # The running jobs marked preemptible, and the workers held for the
-        # waiting job that preempted jobs on them make room for (rule 9).
-        self._preemptible: dict[str, int] = {}  # job id -> its priority
-        self._held_for: dict[str, str] = {}
         # Dependencies (see dependencies.py): each held-back job's jobs not
         # final yet, and the reverse; jobs ended lately whose dependents the
         # next pass sees to; jobs to cancel there, with why.
@@ -98,12 +91,10 @@ class PlaneCore:
         self._dependents: dict[str, set[str]] = {}
         self._settle: set[str] = set()
         self._doomed: dict[str, str] = {}
-        # Who belongs to which project, and each project's quota (the
-        # store's record, kept here: every look at a job asks it).
-        self._memberships = Memberships(store.list_projects(), store.project_members())
-        # Each project's recent usage and what it holds, for fair share.
-        self._accounts = Accounts(fair_share_half_life, store.load_usage())
-        self._usage_saved = clock()
+        # Projects, their quotas and usage, and preemption's bookkeeping.
+        self._sharing = Sharing(store, fair_share_half_life, clock)
+        self._memberships = self._sharing.memberships
+        self._accounts = self._sharing.accounts
         self._workers: dict[str, LiveWorker] = {}
         self._done: dict[str, Done] = {}
         # The final records of the jobs that ended here lately: a client
@@ -442,8 +433,7 @@ class PlaneCore:
         else:  # held back for its dependencies
             for dep in self._unmet.pop(job_id, ()):
                 self._dependents.get(dep, set()).discard(job_id)
-        if job_id in self._held_for.values():  # placed, or gone: the workers are free to all
-            self._held_for = {w: j for w, j in self._held_for.items() if j != job_id}
+        self._sharing.dequeued(job_id)
         return pending
 
     def _open_workers(self) -> list[LiveWorker]:
@@ -456,35 +446,12 @@ class PlaneCore:
         if not caps:
             return []
         now = self._clock()
-        if self._held_for:
-            self._prune_holds()
-        return place(self._waiting, caps, now, self._shares(now), self._held_for)
-
-    def _prune_holds(self) -> None:
-        """Workers stay held for a job (rule 9) only while a job preempted
-        for it is still stopping, the worker is open, and the job waits: a
-        worker that went, a job cancelled, or victims all stopped (the pass
-        their end sets off places it, first in line) end the hold; a job its
-        quota now holds back cannot keep a worker idle past that either."""
-        stopping = {r.preempted_for for r in self._running.values() if r.preempted_for}
-        self._held_for = {
-            worker_id: job_id
-            for worker_id, job_id in self._held_for.items()
-            if job_id in stopping
-            and job_id in self._waiting
-            and (w := self._workers.get(worker_id)) is not None
-            and w.connected
-            and not w.closed
-        }
+        sharing = self._sharing
+        sharing.prune_holds(self._running, self._waiting, self._workers)
+        return place(self._waiting, caps, now, sharing.shares(now), sharing.held_for)
 
     def _shares(self, now: float) -> Shares:
-        """Quotas, holdings and usage by project, for placement."""
-        quotas = {
-            p.name: Quota(p.gpus, p.slots)
-            for p in self._memberships.all()
-            if p.gpus is not None or p.slots is not None
-        }
-        return Shares(quotas, self._accounts.held, self._accounts.usage(now))
+        return self._sharing.shares(now)
 
     def _quota_changed(self) -> None:
         """A project's quota changed: what it allows now is placed at once
@@ -500,38 +467,24 @@ class PlaneCore:
     def _began(self, job_id: str, run: Running) -> None:
         """``run`` holds its slots from now (placed, or taken over)."""
         self._running[job_id] = run
-        self._accounts.start(_project(run), _demand(run), self._clock())
-        if run.spec.preemptible:
-            self._preemptible[job_id] = run.spec.priority
+        self._sharing.began(job_id, run, self._clock())
 
     def _preempt(self, now: float) -> None:
         """Rule 9: stop the preemptible jobs that make room for the
         highest-ranked job waiting for it, and hold their workers for it."""
-        if not self._preemptible or not self._queue:
+        sharing = self._sharing
+        if not self._queue:
             return
-        # Nothing to do unless a job waits that outranks some preemptible
-        # one: checked before looking at each of them (thousands, perhaps).
-        top = self._waiting.top_priority()
-        if top is None or top <= min(self._preemptible.values()):
-            return
-        victims = []
-        for job_id in self._preemptible:
-            run = self._running[job_id]
-            if run.preempted_for is None and not run.cancel_requested:
-                slots = {t.worker_id: t.slots for t in run.tasks if not t.ended}
-                victims.append(
-                    Victim(job_id, run.spec.priority, run.marks.get("placed", 0.0), slots)
-                )
+        victims = sharing.victims(self._running, self._waiting)
         if not victims:
             return
-        if self._held_for:
-            self._prune_holds()
+        sharing.prune_holds(self._running, self._waiting, self._workers)
         caps = [w.capacity() for w in self._open_workers()]
-        choice = preempt(self._waiting, caps, victims, now, self._shares(now), self._held_for)
+        choice = preempt(self._waiting, caps, victims, now, sharing.shares(now), sharing.held_for)
         if choice is None:
             return
         for worker_id in choice.workers:
-            self._held_for[worker_id] = choice.for_job
+            sharing.held_for[worker_id] = choice.for_job
         for job_id in choice.victims:
             run = self._running[job_id]
             run.preempted_for = choice.for_job
@@ -545,18 +498,8 @@ class PlaneCore:
                     if task.worker_id != self._taking:
                         worker.wake.fire()
 
-    def _save_usage(self, now: float, every: float = _USAGE_SAVE_S) -> None:
-        """Store the projects' usage, at most once every ``every`` seconds:
-        a crash loses at most that much of it (usage is a ranking, not a bill)."""
-        if now - self._usage_saved < every:
-            return
-        self._usage_saved = now
-        try:
-            with self.store.transaction() as tx:
-                for project, (usage, at) in self._accounts.saved(now).items():
-                    tx.save_usage(project, usage, at)
-        except StoreError as exc:
-            log.warning("storing the projects' usage failed (kept in memory): %s", exc)
+    def _save_usage(self, now: float, every: float = USAGE_SAVE_S) -> None:
+        self._sharing.save_usage(self.store, now, every)
 
     def _record(self, tx: Transaction, assignments: list[Assignment], now: float) -> None:
         """Store placements. One whose job is no longer queued in the store (a
@@ -649,12 +592,11 @@ class PlaneCore:
 
     def _release(self, job_id: str) -> Running:
         run = self._running.pop(job_id)
-        self._preemptible.pop(job_id, None)
         for task in run.tasks:
             if not task.ended:
                 self._release_task(job_id, task)
         now = self._clock()
-        self._accounts.stop(_project(run), _demand(run), now)
+        self._sharing.ended(job_id, run, now)
         self._save_usage(now)
         return run
 
@@ -784,16 +726,6 @@ class PlaneCore:
 
     def _settle_dependencies(self, now: float) -> None:
         return None
-
-
-def _project(run: Running) -> str:
-    return run.spec.project or DEFAULT_PROJECT
-
-
-def _demand(run: Running) -> tuple[int, int]:
-    """What ``run`` holds against its project's quota: (GPUs, CPU slots)."""
-    spec = run.spec
-    return (spec.gpus * spec.nodes, 0) if spec.gpus else (0, spec.nodes)
 
 
 def _backing_off(retry_at: float | None, now: float) -> str:
