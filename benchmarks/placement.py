@@ -7,6 +7,9 @@ same queue (a pass changes nothing, so it can be repeated):
 - ``one-frees``: every worker busy but one, whose job of 1 to 8 GPUs has
   just ended: the pass a job's end sets off, the common case on a full
   fleet. Target: under 10 ms.
+- ``fragmented``: every worker with one GPU free of 8, as a busy fleet of
+  mixed jobs is: big jobs that cannot fit reserve workers, small ones fill
+  the holes. No target; its cost is reported.
 - ``all-idle``: every worker idle, as when a fleet comes up under a full
   queue: the pass places 8,000 GPUs' worth of jobs. No target; its cost is
   reported.
@@ -64,6 +67,8 @@ def fleet(workers: int, gpus: int, free_on_first: int | None) -> list[Capacity]:
     slots = tuple(range(gpus))
     if free_on_first is None:  # all idle
         return [Capacity(f"w{i:04d}", slots, frozenset(slots)) for i in range(workers)]
+    if free_on_first < 0:  # fragmented: one GPU free on every worker
+        return [Capacity(f"w{i:04d}", slots, frozenset({0})) for i in range(workers)]
     # As the control plane passes them: only the workers with a free slot.
     return [Capacity("w0000", slots, frozenset(range(free_on_first)))]
 
@@ -111,11 +116,12 @@ def main() -> None:
 
     scenarios = {
         "one-frees": [fleet(args.workers, args.gpus, k) for k in (1, 2, 4, 8)],
+        "fragmented": [fleet(args.workers, args.gpus, -1)],
         "all-idle": [fleet(args.workers, args.gpus, None)],
     }
     results: dict[str, dict[str, object]] = {}
     for name, cap_sets in scenarios.items():
-        passes = args.passes if name == "one-frees" else max(3, args.passes // 10)
+        passes = args.passes if name != "all-idle" else max(3, args.passes // 10)
         runs: dict[str, list[float]] = {"fair-share": [], "baseline": []}
         placed = {
             "fair-share": len(place(waiting, cap_sets[-1], now, fair)),

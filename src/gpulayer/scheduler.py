@@ -337,9 +337,37 @@ def place(
     waiting = requests if isinstance(requests, Waiting) else Waiting(requests)
     projects = _Projects(shares)
     used: dict[str, set[int]] = {}  # slots given out in this pass
-    reserved: set[str] = set()
     held = held_for or {}
     result: list[Assignment] = []
+    # The workers not reserved, in the order given (a dict: one removed is
+    # gone in O(1)), and a count of them by free GPUs, so that a job too big
+    # for every one of them now costs no look at each (a busy fleet has a
+    # hole on every worker, and a queue of big jobs that reserve them).
+    live = {c.worker_id: c for c in capacities}
+    free_gpus = {c.worker_id: len(c.free_gpu) for c in capacities}
+    by_free: dict[int, int] = {}
+    for n in free_gpus.values():
+        by_free[n] = by_free.get(n, 0) + 1
+    open_n = sum(1 for c in capacities if c.free)
+
+    def most_free() -> int:
+        return max((n for n, count in by_free.items() if count), default=0)
+
+    def forget(cap: Capacity) -> None:
+        """``cap`` as it was counted leaves the counts (used, or reserved)."""
+        nonlocal open_n
+        by_free[free_gpus[cap.worker_id]] -= 1
+        if len(cap.free) > len(used.get(cap.worker_id, ())):
+            open_n -= 1
+
+    def count(cap: Capacity) -> None:
+        nonlocal open_n
+        n = len(_split(cap, used.get(cap.worker_id))[1])
+        free_gpus[cap.worker_id] = n
+        by_free[n] = by_free.get(n, 0) + 1
+        if len(cap.free) > len(used.get(cap.worker_id, ())):
+            open_n += 1
+
     for req in _fair_order(waiting, projects):
         if now is not None and req.not_before > now:
             continue  # backing off: it reserves nothing meanwhile (rule 6)
@@ -348,53 +376,53 @@ def place(
             if quota.exceeded_by(req.demand) is None:
                 projects.blocked = True  # its project's later jobs of its kind wait behind it
             continue  # bigger than the whole quota: it blocks nothing (rule 7)
+        if not open_n:
+            break  # every worker is full or held for an earlier job
         # Best fit: CPU jobs on CPU slots first, then the fewest free slots.
         best: list[tuple[tuple[bool, int, str], Capacity]] = []
-        anything_open = False
-        for cap in capacities:
-            w = cap.worker_id
-            if w in reserved:
-                continue
-            cpu, gpu = _split(cap, used.get(w))
-            if not cpu and not gpu:
-                continue
-            anything_open = True  # (held for another job: still open, for that one)
-            if held.get(w, req.job_id) != req.job_id:
-                continue
-            if req.gpus:
-                if len(gpu) < req.gpus:
+        if not req.gpus or most_free() >= req.gpus:
+            for w, cap in live.items():
+                if held.get(w, req.job_id) != req.job_id:
+                    continue  # (held for another job: open, for that one)
+                cpu, gpu = _split(cap, used.get(w))
+                if not cpu and not gpu:
                     continue
-                key = (False, len(cpu) + len(gpu), w)
-            else:
-                key = (not cpu, len(cpu) + len(gpu), w)
-            if len(best) < req.nodes or key < best[-1][0]:
-                best.append((key, cap))
-                best.sort(key=lambda kc: kc[0])
-                del best[req.nodes :]
-        if not anything_open:
-            break  # every worker is full or held for an earlier job
+                if req.gpus:
+                    if len(gpu) < req.gpus:
+                        continue
+                    key = (False, len(cpu) + len(gpu), w)
+                else:
+                    key = (not cpu, len(cpu) + len(gpu), w)
+                if len(best) < req.nodes or key < best[-1][0]:
+                    best.append((key, cap))
+                    best.sort(key=lambda kc: kc[0])
+                    del best[req.nodes :]
         if len(best) == req.nodes:
             projects.take(req)
             for _, cap in best:
-                cpu, gpu = _split(cap, used.get(cap.worker_id))
+                w = cap.worker_id
+                cpu, gpu = _split(cap, used.get(w))
                 slots = tuple(gpu[: req.gpus]) if req.gpus else ((cpu or gpu)[0],)
-                used.setdefault(cap.worker_id, set()).update(slots)
+                forget(cap)
+                used.setdefault(w, set()).update(slots)
+                count(cap)
                 gpus = tuple(g for s in slots if (g := cap.slot_gpus[s]) is not None)
-                result.append(
-                    Assignment(req.job_id, cap.worker_id, slots, gpus if req.gpus else ())
-                )
+                result.append(Assignment(req.job_id, w, slots, gpus if req.gpus else ()))
             continue
         # It does not fit now: hold the workers it could drain into, fullest-free first.
         able = [
             c
-            for c in capacities
-            if c.worker_id not in reserved
-            and held.get(c.worker_id, req.job_id) == req.job_id
-            and _could_ever_fit(c, req.gpus)
+            for w, c in live.items()
+            if held.get(w, req.job_id) == req.job_id and _could_ever_fit(c, req.gpus)
         ]
         if len(able) >= req.nodes:
-            able.sort(key=lambda c: (-(len(c.free) - len(used.get(c.worker_id, ()))), c.worker_id))
-            reserved.update(c.worker_id for c in able[: req.nodes])
+            for cap in heapq.nsmallest(
+                req.nodes,
+                able,
+                key=lambda c: (-(len(c.free) - len(used.get(c.worker_id, ()))), c.worker_id),
+            ):
+                forget(cap)  # reserved: out of every count, and of live
+                del live[cap.worker_id]
     return result
 
 
