@@ -8,28 +8,10 @@ import signal
 from pathlib import Path
 
 import gpulayer
-from gpulayer.jobs import CancelTask, RunTask, TaskResult, WorkerInfo
+from gpulayer.jobs import CancelTask, RunTask
 from gpulayer.service import ControlPlane
 from gpulayer.spec import parse_spec
-
-
-def gpu_worker(plane: ControlPlane, gpus: int) -> str:
-    return plane.register_worker(
-        WorkerInfo(id="", name="w", host="w", slot_gpus=list(range(gpus)))
-    ).id
-
-
-def report(plane: ControlPlane, task: RunTask, worker_id: str, outcome: str, code: int) -> None:
-    plane.task_finished(
-        TaskResult(
-            job_id=task.job_id,
-            attempt=task.attempt,
-            worker_id=worker_id,
-            node=task.node,
-            outcome=outcome,  # type: ignore[arg-type]
-            exit_code=code,
-        )
-    )
+from teams_kit import gpu_worker, report
 
 
 def test_a_preemptible_job_makes_room_and_runs_again_without_using_a_retry(

@@ -5,27 +5,17 @@ share between projects, and usage kept across a restart."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gpulayer.access import Viewer
 from gpulayer.errors import GPUlayerError, JobNotFoundError
-from gpulayer.jobs import RunTask, TaskResult, WorkerInfo
+from gpulayer.jobs import RunTask
 from gpulayer.service import ControlPlane
-from gpulayer.spec import parse_spec
 from gpulayer.store.sqlite import SqliteStore
-
-ADA, BOB, EVE = Viewer("ada"), Viewer("bob"), Viewer("eve")
-ADMIN = Viewer("root", admin=True)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from teams_kit import ADA, ADMIN, BOB, EVE, Clock, gpu_worker, job, make_lab, report
 
 
 @pytest.fixture
@@ -34,38 +24,12 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def lab(tmp_path: Path, clock: Clock) -> ControlPlane:
-    """A plane with project vision (ada, bob) and nlp (eve); no workers."""
-    store = SqliteStore(tmp_path / "db.sqlite")
-    plane = ControlPlane(store, instance_id="test", clock=clock)
-    plane.create_project("vision")
-    plane.create_project("nlp")
-    for user in ("ada", "bob"):
-        plane.add_project_member("vision", user)
-    plane.add_project_member("nlp", "eve")
-    return plane
-
-
-def job(gpus: int = 1, **fields: object) -> object:
-    return parse_spec({"command": ["x"], "gpus": gpus, **fields})
-
-
-def gpu_worker(plane: ControlPlane, gpus: int, name: str = "w") -> str:
-    info = WorkerInfo(id="", name=name, host=name, slot_gpus=list(range(gpus)))
-    return plane.register_worker(info).id
-
-
-def end(plane: ControlPlane, task: RunTask, worker_id: str) -> None:
-    plane.task_finished(
-        TaskResult(
-            job_id=task.job_id,
-            attempt=task.attempt,
-            worker_id=worker_id,
-            node=task.node,
-            outcome="exited",
-            exit_code=0,
-        )
-    )
+def lab(tmp_path: Path, clock: Clock) -> Iterator[ControlPlane]:
+    plane = make_lab(tmp_path, clock)
+    try:
+        yield plane
+    finally:
+        plane.store.close()
 
 
 def test_a_job_goes_into_its_user_s_first_project_or_the_one_it_names(
@@ -150,7 +114,7 @@ def test_a_project_at_its_quota_waits_with_the_reason_and_others_run(lab: Contro
     assert listed == {first[2].id: waiting.reason}
     # A job of the project ends: the one waiting runs.
     tasks = {t.job_id: t for t in lab.take_instructions(w) if isinstance(t, RunTask)}
-    end(lab, tasks[first[0].id], w)
+    report(lab, tasks[first[0].id], w)
     assert lab.get(first[2].id).state == "running"
 
 
@@ -182,7 +146,7 @@ def test_the_project_that_used_less_lately_goes_first(lab: ControlPlane, clock: 
     v = lab.submit(job(), viewer=ADA)
     n = lab.submit(job(), viewer=EVE)
     assert isinstance(task, RunTask) and task.job_id == long.id
-    end(lab, task, w)
+    report(lab, task, w)
     assert lab.get(n.id).state == "running"  # nlp used nothing: it goes first
     assert lab.get(v.id).state == "queued"
 
@@ -195,7 +159,7 @@ def test_usage_survives_a_restart_of_the_control_plane(
     (task,) = lab.take_instructions(w)
     clock.now += 7200
     assert isinstance(task, RunTask)
-    end(lab, task, w)
+    report(lab, task, w)
     lab.close_workers()
     lab.store.close()
     store = SqliteStore(tmp_path / "db.sqlite")

@@ -10,21 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gpulayer.access import Viewer
-from gpulayer.jobs import CancelTask, RunTask, TaskResult, WorkerInfo
+from gpulayer.jobs import CancelTask, RunTask
 from gpulayer.service import ControlPlane
-from gpulayer.spec import parse_spec
-from gpulayer.store.sqlite import SqliteStore
-
-ADA, BOB, EVE = Viewer("ada"), Viewer("bob"), Viewer("eve")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from teams_kit import ADA, BOB, EVE, Clock, gpu_worker, job, make_lab, report
 
 
 @pytest.fixture
@@ -34,39 +22,11 @@ def clock() -> Clock:
 
 @pytest.fixture
 def lab(tmp_path: Path, clock: Clock) -> Iterator[ControlPlane]:
-    store = SqliteStore(tmp_path / "db.sqlite")
-    plane = ControlPlane(store, instance_id="test", clock=clock)
-    plane.create_project("vision")
-    plane.create_project("nlp")
-    for user in ("ada", "bob"):
-        plane.add_project_member("vision", user)
-    plane.add_project_member("nlp", "eve")
+    plane = make_lab(tmp_path, clock)
     try:
         yield plane
     finally:
-        store.close()
-
-
-def job(gpus: int = 1, **fields: object):
-    return parse_spec({"command": ["x"], "gpus": gpus, **fields})
-
-
-def gpu_worker(plane: ControlPlane, gpus: int, name: str = "w") -> str:
-    info = WorkerInfo(id="", name=name, host=name, slot_gpus=list(range(gpus)))
-    return plane.register_worker(info).id
-
-
-def report(plane: ControlPlane, task: RunTask, worker_id: str, outcome: str, code: int) -> None:
-    plane.task_finished(
-        TaskResult(
-            job_id=task.job_id,
-            attempt=task.attempt,
-            worker_id=worker_id,
-            node=task.node,
-            outcome=outcome,  # type: ignore[arg-type]
-            exit_code=code,
-        )
-    )
+        plane.store.close()
 
 
 def test_workers_held_for_a_job_its_quota_now_forbids_are_not_held_forever(

@@ -22,6 +22,7 @@ from gpulayer.service import ControlPlane
 from gpulayer.spec import JobSpec, parse_spec
 from gpulayer.store.migrations import MIGRATIONS
 from gpulayer.store.sqlite import SqliteStore
+from teams_kit import Clock
 
 ROOT = Path(__file__).resolve().parents[1]
 H = 3600.0
@@ -29,17 +30,9 @@ ADA, EVE, CAROL, DAVE = Viewer("ada"), Viewer("eve"), Viewer("carol"), Viewer("d
 ADMIN = Viewer("root", admin=True)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
+    return Clock(1_000_000_000.0)
 
 
 @pytest.fixture
