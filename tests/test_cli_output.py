@@ -45,6 +45,8 @@ JOB_KEYS = {
     "outputs",
     "tasks",
     "start",
+    "array",
+    "array_task",
 }
 SPEC_KEYS = {
     "command",
@@ -92,6 +94,7 @@ JOB_COLUMNS = [
     "SUBMITTED",
     "TOOK",
     "REASON",
+    "TASKS",
 ]
 
 # A name that tries everything: split a row (tab, newline, carriage return),

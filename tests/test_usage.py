@@ -20,7 +20,7 @@ from gpulayer.jobs import JobInfo, RunTask, TaskResult, WorkerInfo
 from gpulayer.projects import USAGE_DAY_S, USAGE_WEEK_S, ProjectUsage
 from gpulayer.service import ControlPlane
 from gpulayer.spec import JobSpec, parse_spec
-from gpulayer.store.migrations import MIGRATIONS
+from gpulayer.store.migrations import LATEST, MIGRATIONS
 from gpulayer.store.sqlite import SqliteStore
 from teams_kit import Clock
 
@@ -269,7 +269,7 @@ def test_migration_13_fills_in_when_each_job_ended_and_what_it_held(tmp_path: Pa
     path = tmp_path / "db.sqlite"
     _v12_store(path)
     store = SqliteStore(path)
-    assert store.schema_version == 14
+    assert store.schema_version == LATEST
     with sqlite3.connect(path) as db:
         found = dict(db.execute("SELECT id, finished FROM jobs").fetchall())
         demand = dict(db.execute("SELECT id, gpu_demand FROM jobs").fetchall())

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from . import bundle, defaults
+from .arrays import parse_array
 from .errors import (
     ArtifactError,
     GPUlayerError,
@@ -303,6 +304,8 @@ class Client:
         preemptible: bool = False,
         after: Sequence[Job | str] = (),
         after_any: Sequence[Job | str] = (),
+        array: Iterable[int] | str | None = None,
+        max_parallel: int | None = None,
     ) -> Job:
         """Validate, store and place a job. Nothing is stored if the spec is bad.
 
@@ -320,6 +323,10 @@ class Client:
         ``after``: jobs (or their ids) it waits for, to succeed: it is
         cancelled, saying why, if one fails. ``after_any``: jobs it waits
         for to end, whatever way (docs/scheduling.md, "Dependencies").
+        ``array``: a sweep, one task per index (``range(100)``, or Slurm's
+        ``"0-99%8"``), each reading its index as ``GPULAYER_ARRAY_INDEX``;
+        ``max_parallel``: at most that many running at once
+        (docs/scheduling.md, "Arrays").
         """
         fields: dict[str, Any] = {
             "args": [str(a) for a in args] if not isinstance(args, str) else args,
@@ -344,6 +351,10 @@ class Client:
             fields["project"] = project
         if preemptible is not False:  # (a non-bool is refused, naming it)
             fields["preemptible"] = preemptible
+        if array is not None:
+            fields.update(_array_fields(array, max_parallel))
+        elif max_parallel is not None:
+            fields["max_parallel"] = max_parallel  # refused, naming it
         for key, jobs in (("after", after), ("after_any", after_any)):
             if jobs:
                 fields[key] = _job_ids(key, jobs)
@@ -380,7 +391,8 @@ class Client:
         A secret's value is never handed back (a record names it only), so a
         job that had secrets is rerun only with each given again in
         ``secrets``; else SpecError naming them, and nothing is submitted.
-        The bundle and inputs must still be stored (not freed since).
+        The bundle and inputs must still be stored (not freed since). A task
+        of an array (``JOB:7``) is rerun as an array of that one index.
         """
         old = self._transport.get_job(job_id)
         spec = old.spec
@@ -402,6 +414,8 @@ class Client:
             )
         if given:
             spec = msgspec.structs.replace(spec, secrets=given)
+        if spec.array_task is not None:  # one task again: an array of that one index
+            spec = msgspec.structs.replace(spec, array=[spec.array_task.index], array_task=None)
         stored = [ref.digest for ref in spec.inputs.values()]
         if spec.bundle is not None:
             stored.append(spec.bundle)
@@ -544,15 +558,21 @@ class Client:
         state: str | Iterable[str] | None = None,
         limit: int | None = None,
         labels: Mapping[str, str] | None = None,
+        array: Job | str | None = None,
     ) -> list[Job]:
-        """Jobs newest first (a user's own, against a server); with ``state``,
-        only those in it (or in one of them); with ``labels``, only those
-        carrying every label given, key and value exactly. An unknown state
-        raises GPUlayerError, embedded and against a server alike."""
+        """Jobs newest first (a user's own, against a server), an array as
+        its one row; with ``state``, only those in it (or in one of them);
+        with ``labels``, only those carrying every label given, key and
+        value exactly; with ``array`` (an array, or its id), its tasks by
+        index. An unknown state raises GPUlayerError, embedded and against
+        a server alike."""
         states = [state] if isinstance(state, str) else list(state or [])
         wanted = dict(labels or {})
         check_job_filter(states, wanted)  # the same words embedded and against a server
-        found = self._transport.list_jobs(states=states, limit=limit, labels=wanted or None)
+        of = array.id if isinstance(array, Job) else array
+        found = self._transport.list_jobs(
+            states=states, limit=limit, labels=wanted or None, **({"array": of} if of else {})
+        )
         return [Job(self, info) for info in found]
 
     def cancel_jobs(self, *, labels: Mapping[str, str]) -> list[Job]:
@@ -647,6 +667,25 @@ def _size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def _array_fields(array: Iterable[int] | str, max_parallel: int | None) -> dict[str, Any]:
+    """A spec's ``array`` and ``max_parallel`` from ``range(100)`` or ``"0-99%8"``."""
+    if isinstance(array, str):
+        indices, limit = parse_array(array)
+        if limit is not None and max_parallel is not None and limit != max_parallel:
+            raise SpecError(
+                "max_parallel", f"{max_parallel} here, but the array says %{limit}: give one"
+            )
+        max_parallel = limit if max_parallel is None else max_parallel
+    else:
+        indices = list(array)
+        if not indices:
+            raise SpecError("array", "an array needs at least one index")
+    fields: dict[str, Any] = {"array": indices}
+    if max_parallel is not None:
+        fields["max_parallel"] = max_parallel
+    return fields
 
 
 def _job_ids(field: str, jobs: object) -> list[str]:

@@ -54,6 +54,11 @@ def is_job_id(value: str) -> bool:
     return _ID.fullmatch(value) is not None
 
 
+def is_job_id_or_prefix(value: str) -> bool:
+    """Whether ``value`` could be a job's id or the start of one."""
+    return _ID_OR_PREFIX.fullmatch(value) is not None
+
+
 def check_id_or_prefix(field: str, value: str) -> None:
     """A job named as a person types it: its id, or the start of one."""
     from .errors import SpecError

@@ -95,6 +95,9 @@ class JobInfo(msgspec.Struct, kw_only=True):
     # (a job of several nodes: see job_start). None: not started yet, or
     # its worker predates warm starts.
     start: str | None = None
+    # An array's tasks by state (arrays.py), as it was read; {} for a job
+    # that is not an array.
+    array_states: dict[str, int] = {}
 
     def processes(self) -> set[tuple[int, float | None]]:
         """Every (pid, start time) recorded for its running processes."""

@@ -56,6 +56,14 @@ _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 REDACTED = "<redacted>"
 
 
+class ArrayTask(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which array a job is a task of, and its index there (arrays.py). Set
+    by the control plane on each task; never in a spec submitted."""
+
+    array: str
+    index: NonNegInt
+
+
 class ArtifactRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A stored file or directory tree: its digest (blob or manifest) and size."""
 
@@ -111,6 +119,13 @@ class JobSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     # first. The control plane stores the one it chose. Left out of the
     # JSON when None, so a spec without it reads and compares as before.
     project: str | None = None
+    # An array (a sweep, arrays.py): one task per index, each a job that
+    # reads its index as GPULAYER_ARRAY_INDEX; at most ``max_parallel`` of
+    # them running at once (None: as many as fit).
+    array: list[NonNegInt] = []
+    max_parallel: PosInt | None = None
+    # On each task of an array: set by the control plane, refused in a submit.
+    array_task: ArrayTask | None = None
 
     def __repr__(self) -> str:
         # Never a secret's value: not in a traceback, a log line or a test's diff.
@@ -192,6 +207,10 @@ def check_spec(spec: JobSpec) -> None:
     for field, ids in (("after", spec.after), ("after_any", spec.after_any)):
         for index, job_id in enumerate(ids):
             check_id_or_prefix(f"{field}[{index}]", job_id)
+    if spec.array or spec.max_parallel is not None:
+        from .arrays import check_array
+
+        check_array(spec.array, spec.max_parallel)
     if spec.project is not None:
         from .projects import check_project_name
 

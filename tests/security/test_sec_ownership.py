@@ -332,6 +332,9 @@ def test_tokens_and_jobs_from_before_users_are_no_one_s_to_see(tmp_path: Path) -
     old_job = plane.submit(gpulayer.JobSpec(command=["true"]))
     store.close()
     db = sqlite3.connect(path)  # back to schema 8, as an older GPUlayer left it
+    db.execute("DROP INDEX jobs_in_array")  # migration 15
+    for column in ("array_of", "array_index", "array_size"):
+        db.execute(f"ALTER TABLE jobs DROP COLUMN {column}")
     db.execute("ALTER TABLE jobs DROP COLUMN scratch")  # migration 14
     db.execute("DROP INDEX jobs_by_finished")  # migration 13
     db.execute("DROP INDEX past_tasks_by_ended")

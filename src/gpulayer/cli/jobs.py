@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from .. import defaults
+from ..arrays import span, tally
 from ..client import Job
 from ..jobs import QUEUED, STATES, WARM, JobInfo, LogLine
 from ..projects import DEFAULT_PROJECT
@@ -36,6 +37,7 @@ JOB_COLUMNS = (
     Column("SUBMITTED"),
     Column("TOOK"),
     Column("REASON", max_width=40),  # why a queued job waits, as squeue's NODELIST(REASON)
+    Column("TASKS", max_width=40),  # an array's tasks by state
 )
 
 
@@ -53,6 +55,9 @@ JOB_COLUMNS = (
     metavar="K=V",
     help="Only jobs with this label (repeatable: all must match).",
 )
+@click.option(
+    "--array", "array", metavar="JOB", help="The tasks of this array, by index, not the jobs."
+)
 @click.option("--limit", type=int, default=defaults.JOBS_LISTED, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help=_JSON_HELP)
 @click.pass_context
@@ -60,11 +65,15 @@ def jobs(
     ctx: click.Context,
     states: tuple[str, ...],
     labels: tuple[str, ...],
+    array: str | None,
     limit: int,
     as_json: bool,
 ) -> None:
-    """List jobs, newest first. Piped, one tab-separated line each, nothing cut."""
-    listed = _client(ctx).jobs(state=states or None, limit=limit, labels=_labels(labels))
+    """List jobs, newest first, an array as one row with its tasks by state.
+    Piped, one tab-separated line each, nothing cut."""
+    listed = _client(ctx).jobs(
+        state=states or None, limit=limit, labels=_labels(labels), array=array
+    )
     found = [job.info for job in listed]  # a queued one's says why it waits
     if as_json:
         output.print_json([output.job_object(info) for info in found])
@@ -98,12 +107,16 @@ def _job_row(info: JobInfo) -> list[output.Cell]:
         info.worker,
         time.strftime(when, time.localtime(submitted)) if submitted else None,
         None if took is None else f"{took:.2f}s",
-        info.reason if info.state == QUEUED else None,
+        info.reason if info.state == QUEUED and not info.spec.array else None,
+        tally(info.array_states) if info.spec.array else None,
     ]
 
 
 def _what(spec: Any) -> str:
-    return str(spec.script or " ".join(spec.command or []))
+    what = str(spec.script or " ".join(spec.command or []))
+    if spec.array_task is not None:
+        return f"{what} [{spec.array_task.index}]"
+    return f"{what} [{len(spec.array)} tasks]" if spec.array else what
 
 
 _STATE_COLOURS = {
@@ -165,6 +178,16 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
         # What all its processes used (kept with its marks), where measured.
         "cpu seconds": f"{info.marks['cpu_s']:.3f}" if "cpu_s" in info.marks else None,
         "peak memory": _mib(info.marks["peak_memory"]) if "peak_memory" in info.marks else None,
+        "array": (
+            f"{len(spec.array)} tasks ({span(spec.array)})"
+            + (f", at most {spec.max_parallel} at once" if spec.max_parallel else "")
+            if spec.array
+            else None
+        ),
+        "tasks": tally(info.array_states) or None if spec.array else None,
+        "array task": (
+            f"{spec.array_task.array}:{spec.array_task.index}" if spec.array_task else None
+        ),
     }
     output.fields(
         {
@@ -173,7 +196,7 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
             if value is not None
         }
     )
-    if info.reason:
+    if info.reason and not (spec.array and not info.done):  # (its tasks, above)
         output.paragraph("why it waits" if info.state == QUEUED else "reason", info.reason)
     timings = info.timings()
     if timings:
@@ -223,14 +246,31 @@ def _mib(size: float) -> str:
 )
 @click.pass_context
 def logs(ctx: click.Context, job_id: str, follow: bool, tail: int | None, as_json: bool) -> None:
-    """Print a job's output (a distributed job's lines tagged with their rank)."""
-    job = _client(ctx).job(job_id)
+    """Print a job's output (a distributed job's lines tagged with their rank;
+    an array's, each task's in turn, tagged with its index: JOB:7 for one)."""
+    client = _client(ctx)
+    job = client.job(job_id)
     per_node = job.info.spec.procs_per_node
-    for line in _lines(job, follow=follow, tail=tail):
-        if as_json:
-            output.print_json_line(output.log_object(line, per_node))
-        else:
-            click.echo(line.render(), err=line.stream != "stdout")
+    if job.info.spec.array:
+        if follow:
+            first = job.info.spec.array[0]
+            raise click.UsageError(
+                f"job {job.id} is an array: follow one of its tasks ({job.id}:{first}), "
+                "or leave out --follow for every task's lines so far"
+            )
+        tasks = client.jobs(array=job, limit=defaults.LIST_JOBS_MAX)
+        pieces = [(t, f"[{t.info.spec.array_task.index}] ") for t in tasks if t.info.attempt]  # type: ignore[union-attr]
+    else:
+        pieces = [(job, "")]
+    for part, tag in pieces:
+        for line in _lines(part, follow=follow, tail=tail):
+            if as_json:
+                shown = output.log_object(line, per_node)
+                if tag:
+                    shown["array_index"] = part.info.spec.array_task.index  # type: ignore[union-attr]
+                output.print_json_line(shown)
+            else:
+                click.echo(tag + line.render(), err=line.stream != "stdout")
 
 
 def _lines(job: Job, *, follow: bool, tail: int | None) -> Iterator[LogLine]:

@@ -215,6 +215,19 @@ def job_object(info: JobInfo) -> dict[str, Any]:
         "outputs": {path: _artifact(ref) for path, ref in info.outputs.items()},
         "tasks": [_task(task) for task in info.tasks],
         "start": info.start,
+        # An array (arrays.py): its indices, its limit and its tasks by
+        # state; a task of one: the array's id and its index.
+        "array": None
+        if not spec.array
+        else {
+            "size": len(spec.array),
+            "indices": list(spec.array),
+            "max_parallel": spec.max_parallel,
+            "tasks": dict(info.array_states),
+        },
+        "array_task": None
+        if spec.array_task is None
+        else {"array": spec.array_task.array, "index": spec.array_task.index},
     }
 
 

@@ -16,8 +16,9 @@ from typing import Any
 import click
 
 from .. import defaults
+from ..arrays import span, tally
 from ..client import Client, Job
-from ..errors import GPUlayerError, SpecError
+from ..errors import GPUlayerError, SpecError, WaitTimeout
 from .root import GLOBAL_OPTIONS, _client, main
 
 # How `gpulayer run` exits for each final state (a failed job passes its own code on).
@@ -46,6 +47,8 @@ SUBMIT_KEYS = (
     "preemptible",
     "after",
     "after_any",
+    "array",
+    "max_parallel",
 )
 
 
@@ -236,6 +239,20 @@ class _RunCommand(click.Command):
     help="Wait for this job to end, whatever way. Repeat for several.",
 )
 @click.option(
+    "--array",
+    "array",
+    metavar="SPEC",
+    help="A sweep: one task per index, e.g. 0-99, 1,5,9, 0-99:10; %N: at most N at once "
+    "(0-99%8). Each task reads its index as GPULAYER_ARRAY_INDEX.",
+)
+@click.option(
+    "--max-parallel",
+    "max_parallel",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="At most N tasks of the array running at once (as %N).",
+)
+@click.option(
     "--preemptible",
     is_flag=True,
     default=None,
@@ -311,6 +328,8 @@ def run(
         "timeout",
         "name",
         "project",
+        "array",
+        "max_parallel",
     ):
         if flags[key] is not None:
             fields[key] = flags[key]
@@ -346,7 +365,10 @@ def run(
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _interrupt)
     try:
-        _stream(job, client)
+        if job.info.spec.array:
+            _follow_array(job)
+        else:
+            _stream(job, client)
         state = job.wait()
     except KeyboardInterrupt:
         # A second signal while it is cancelled: exit now (a server still
@@ -425,6 +447,32 @@ def _stream(job: Job, client: Client | None = None) -> None:
             stream.flush()
     finally:
         started.set()
+
+
+def _follow_array(job: Job) -> None:
+    """An array's progress, a line each time its tasks' states change
+    (their logs: ``gpulayer logs JOB:INDEX``), until it ends."""
+    spec = job.info.spec
+    limit = f", at most {spec.max_parallel} at once" if spec.max_parallel else ""
+    click.echo(
+        f"gpulayer: array {job.id}: {len(spec.array)} tasks ({span(spec.array)}){limit}; "
+        f"one task's logs: gpulayer logs {job.id}:{spec.array[0]}",
+        err=True,
+    )
+    said = ""
+    while True:
+        with contextlib.suppress(WaitTimeout):  # (it is still going: say how far)
+            job.wait(timeout=_ARRAY_PROGRESS_S)
+        now = tally(job.info.array_states)
+        if now and now != said:
+            click.echo(f"gpulayer: array {job.id}: {now}", err=True)
+            said = now
+        if job.info.done:
+            return
+
+
+# How often `run` of an array looks at its tasks' states (it returns at once when it ends).
+_ARRAY_PROGRESS_S = 2.0
 
 
 def _say_why_it_waits(client: Client, job_id: str, started: threading.Event) -> None:

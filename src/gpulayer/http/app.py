@@ -198,8 +198,17 @@ class Api:
             raise ApiError(422, str(exc)) from None
         limit = query_int(request, "limit", 100, low=1, high=defaults.LIST_JOBS_MAX)
         viewer = viewer_of(request)  # only the caller's jobs, as without a filter
+        arrays = request.query.get("array", [])
+        if len(arrays) > 1:
+            raise ApiError(422, "query parameter array: give one array, not several")
         return json_response(
-            self.plane.list_jobs(states=states, limit=limit, viewer=viewer, labels=labels)
+            self.plane.list_jobs(
+                states=states,
+                limit=limit,
+                viewer=viewer,
+                labels=labels,
+                array=arrays[0] if arrays else None,
+            )
         )
 
     # Each endpoint on one job finds it through the control plane with the
@@ -705,7 +714,7 @@ def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: b
         ("GET", "/openapi.json", g(None, api.openapi, None)),
         ("GET", "/metrics", g(user, api.metrics_text, None)),
         ("POST", f"{v1}/jobs", g(user, api.submit)),
-        ("GET", f"{v1}/jobs", g(user, api.list_jobs, ("state", "limit", "label"))),
+        ("GET", f"{v1}/jobs", g(user, api.list_jobs, ("state", "limit", "label", "array"))),
         ("GET", f"{v1}/jobs/{{job_id}}", g(user, api.get_job)),
         ("POST", f"{v1}/jobs/wait", g(user, api.wait_jobs, ("timeout",))),
         ("POST", f"{v1}/jobs/{{job_id}}/wait", g(user, api.wait_job, ("timeout",))),

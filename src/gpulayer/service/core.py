@@ -31,6 +31,7 @@ from ..signals import Signal
 from ..store import Store, Transaction
 from .sharing import USAGE_SAVE_S, Sharing
 from .state import (
+    ArrayRun,
     Done,
     ListedBlobs,
     LiveWorker,
@@ -91,6 +92,11 @@ class PlaneCore:
         self._dependents: dict[str, set[str]] = {}
         self._settle: set[str] = set()
         self._doomed: dict[str, str] = {}
+        # Arrays (see arrays.py): each not final yet, what array each of
+        # their tasks not final yet is of, and those whose last task ended.
+        self._arrays: dict[str, ArrayRun] = {}
+        self._array_of: dict[str, str] = {}
+        self._arrays_ended: set[str] = set()
         # Projects, their quotas and usage, and preemption's bookkeeping.
         self._sharing = Sharing(store, fair_share_half_life, clock)
         self._memberships = self._sharing.memberships
@@ -362,9 +368,15 @@ class PlaneCore:
         req = pending.request
         self._queue[req.job_id] = pending
         if not self._held_back(pending):
-            self._waiting.add(req)
+            self._admit(pending)
         if req.not_before > self._clock():
             self._arm_retry(req.not_before)
+
+    def _admit(self, pending: Pending) -> None:
+        """``pending`` waits for nothing: into placement, unless its array
+        has as many tasks out as it may."""
+        if not self._array_holds(pending):
+            self._waiting.add(pending.request)
 
     def _arm_retry(self, at: float) -> None:
         """Run a placement pass at ``at``, when a retry's back-off ends.
@@ -398,6 +410,7 @@ class PlaneCore:
                 heapq.heappop(self._wakeups)
             try:
                 self._settle_dependencies(now)
+                self._settle_arrays(now)
                 assignments = self._plan()
                 if assignments:
                     with self.store.transaction() as tx:
@@ -537,6 +550,8 @@ class PlaneCore:
                     assignments.remove(gone)
                 self._dequeue(a.job_id)
                 self._signal_done(a.job_id)
+            else:
+                self._placing(tx, a.job_id, now)
 
     def _dispatch(self, assignments: list[Assignment], now: float) -> None:
         """Apply committed placements in memory and wake the chosen workers."""
@@ -725,6 +740,20 @@ class PlaneCore:
         return None
 
     def _settle_dependencies(self, now: float) -> None:
+        return None
+
+    # And arrays (arrays.py): a plane without them holds no task back.
+
+    def _array_holds(self, pending: Pending) -> bool:
+        return False
+
+    def _placing(self, tx: Transaction, job_id: str, now: float) -> None:
+        return None
+
+    def _settle_arrays(self, now: float) -> None:
+        return None
+
+    def _rebuild_arrays(self) -> None:
         return None
 
 

@@ -122,7 +122,7 @@ class Dependencies(PlaneCore):
                     )
                 elif not unmet:
                     del self._unmet[job_id]
-                    self._waiting.add(pending.request)
+                    self._admit(pending)
         if not self._doomed:
             return
         doomed = {j: why for j, why in self._doomed.items() if j in self._queue}

@@ -16,8 +16,9 @@ import msgspec
 
 from .. import defaults, jobs
 from ..access import Viewer, local_viewer, may_see, sees_all
+from ..arrays import split_task
 from ..artifacts import ArtifactStore
-from ..errors import GPUlayerError, InvalidStateError, JobNotFoundError, StoreError
+from ..errors import GPUlayerError, InvalidStateError, JobNotFoundError, SpecError, StoreError
 from ..ids import check_id, new_id
 from ..jobs import JobInfo, LogChunk, WorkerInfo
 from ..projects import DEFAULT_PROJECT
@@ -26,6 +27,7 @@ from ..secretbox import redacted
 from ..signals import Signal, Unsubscribe, wait_on
 from ..spec import JobSpec, parse_spec
 from ..transport import check_job_filter
+from .arrays import Arrays
 from .dependencies import Dependencies
 from .fleet import Fleet
 from .projects import ProjectAdmin
@@ -37,7 +39,7 @@ class _Stored(Exception):
     """A submit's id names a job stored already (its transaction is rolled back)."""
 
 
-class ControlPlane(Fleet, Recovery, ProjectAdmin, Dependencies):
+class ControlPlane(Fleet, Recovery, ProjectAdmin, Arrays, Dependencies):
     # ---- clients -------------------------------------------------------
 
     def submit(
@@ -48,6 +50,10 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Dependencies):
         same id and spec return the job already stored."""
         # Sealed from here on (stored so, kept so): only its worker gets the values.
         spec = self.secrets.seal(parse_spec(spec))
+        if spec.array_task is not None:
+            raise SpecError(
+                "array_task", "is set by GPUlayer on the tasks of an array; submit an array (array)"
+            )
         viewer = viewer or local_viewer()
         if job_id is not None:
             check_id("id", job_id)
@@ -81,8 +87,13 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Dependencies):
                 user=viewer.user,
                 marks={"submitted": now},
             )
-            request = request_of(job.id, spec, seq)
-            self._enqueue(Pending(request, spec, 0, now, user=viewer.user))
+            tasks: list[JobInfo] = []
+            if spec.array:  # its tasks queue; the array itself never runs
+                tasks = self._open_array(job, now)
+                seq += len(tasks)
+            else:
+                request = request_of(job.id, spec, seq)
+                self._enqueue(Pending(request, spec, 0, now, user=viewer.user))
             try:
                 assignments = self._plan()
                 mine = [a for a in assignments if a.job_id == job.id]
@@ -96,18 +107,29 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Dependencies):
                 with self.store.transaction() as tx:
                     if not tx.insert_job(job):  # a retried submit: the id is stored already
                         raise _Stored
+                    if tasks:
+                        tx.insert_tasks(tasks)
                     others = [a for a in assignments if a.job_id != job.id]
                     self._record(tx, others, now)
                     assignments = [a for a in assignments if a.job_id == job.id] + others
             except _Stored:
-                self._dequeue(job.id)
+                self._unqueue(job.id, tasks)
                 return self._stored(job.id, spec, viewer)
             except BaseException:
-                self._dequeue(job.id)
+                self._unqueue(job.id, tasks)
                 raise
+            if tasks and any(a.job_id in self._array_of for a in assignments):
+                job.state = jobs.RUNNING
             self._seq = seq
             self._dispatch(assignments, now)
         return job
+
+    def _unqueue(self, job_id: str, tasks: list[JobInfo]) -> None:
+        """Undo a submit's queueing: its job's, or its array's tasks'."""
+        if tasks:
+            self._drop_array(job_id)
+        else:
+            self._dequeue(job_id)
 
     def _into_project(self, spec: JobSpec, viewer: Viewer) -> JobSpec:
         """``spec`` with the project it goes into: the one it names, which
@@ -190,6 +212,9 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Dependencies):
         answered for as one that does not exist, also in time: a store read,
         as for an id of no job."""
         viewer = viewer or local_viewer()
+        base, index = split_task(job_id)
+        if index is not None:  # JOB:7, the task of array JOB with index 7
+            return self._task_of(self.resolve(base, viewer), index)
         with self._lock:
             held, user, project = self._user_in_memory(job_id)
             visible = held and self._sees(viewer, user, project)
@@ -212,9 +237,19 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Dependencies):
             job = self.store.get_job(self.resolve(job_id, viewer), **only)
             if job is None:  # (it went, or is no longer the viewer's, meanwhile)
                 raise JobNotFoundError(f"no job with id {job_id!r}")
-        if job.state == jobs.QUEUED and job.reason is None:
+        if job.spec.array:
+            self._tally([job])
+        elif job.state == jobs.QUEUED and job.reason is None:
             job.reason = self._why_waiting(job)
         return redacted(job)
+
+    def _tally(self, arrays: list[JobInfo]) -> None:
+        """Each array's tasks by state, and (not final) that as its reason."""
+        counts = self.store.array_counts([a.id for a in arrays])
+        for array in arrays:
+            array.array_states = counts.get(array.id, {})
+            if not array.done:
+                array.reason = self._array_reason(array)
 
     def _why_waiting(self, job: JobInfo) -> str:
         with self._lock:
@@ -243,15 +278,29 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Dependencies):
         limit: int | None = None,
         viewer: Viewer | None = None,
         labels: Mapping[str, str] | None = None,
+        array: str | None = None,
     ) -> list[JobInfo]:
-        """The jobs ``viewer`` may see, newest first; with ``labels``, only
-        those carrying every one. A filter that cannot match (an unknown
-        state) is an error, not an empty list."""
+        """The jobs ``viewer`` may see, newest first, an array as its one
+        row; with ``labels``, only those carrying every one; with ``array``
+        (an array's id or its start), that array's tasks by index. A filter
+        that cannot match (an unknown state) is an error, not an empty list."""
         states = list(states)
         labels = dict(labels or {})
         check_job_filter(states, labels)
-        only = self._only(viewer or local_viewer())
-        found = self.store.list_jobs(states=states, limit=limit, labels=labels, **only)
+        viewer = viewer or local_viewer()
+        only = self._only(viewer)
+        array_id = None if array is None else self.resolve(array, viewer)
+        found = self.store.list_jobs(
+            states=states,
+            limit=limit,
+            labels=labels,
+            array=array_id,
+            top_level=array_id is None,
+            **only,
+        )
+        arrays = [job for job in found if job.spec.array]
+        if arrays:
+            self._tally(arrays)
         for job in found:  # why each queued one waits, as get() says it
             if job.state == jobs.QUEUED and job.reason is None:
                 job.reason = self._why_waiting(job)
@@ -327,7 +376,7 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Dependencies):
         here will fire, and the caller must look again later.
         """
         with self._lock:
-            if job_id in self._queue or job_id in self._running:
+            if job_id in self._queue or job_id in self._running or job_id in self._arrays:
                 return None, self._done.setdefault(job_id, Done())
             final = self._finished.get(job_id)
         if final is not None:
@@ -340,6 +389,9 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Dependencies):
     def cancel(self, job_id: str, viewer: Viewer | None = None) -> JobInfo:
         viewer = viewer or local_viewer()
         job_id = self.resolve(job_id, viewer)  # nothing happens to a job it may not see
+        if self._is_array(job_id):
+            self._cancel_array(job_id, viewer)
+            return self.get(job_id, viewer)
         now = self._clock()
         with self._lock:
             if job_id in self._queue:
@@ -384,6 +436,22 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Dependencies):
                     for pid, created in job.processes():
                         self._kill_orphan(pid, created)
         return self.get(job_id, viewer)
+
+    def _is_array(self, job_id: str) -> bool:
+        """Whether ``job_id`` (a full id) is an array, not final or final."""
+        with self._lock:
+            if job_id in self._arrays:
+                return True
+            if job_id in self._queue or job_id in self._running:
+                return False
+        job = self.store.get_job(job_id)
+        if job is None or not job.spec.array:
+            return False
+        if job.done:
+            raise InvalidStateError(
+                f"array {job.id} is already {job.state}; there is nothing to cancel"
+            )
+        return True
 
     def read_logs(
         self, job_id: str, after: tuple[int, int] = (0, 0), timeout: float = 0.0

@@ -43,7 +43,8 @@ class Recovery(PlaneCore):
         touched: list[str] = []
         with self._lock:
             running = self.store.list_jobs(states=[jobs.RUNNING], owner=dead_instance)
-            if workers_outlive:
+            if workers_outlive:  # (an array's row runs nothing: its tasks' rows do)
+                running = [job for job in running if not job.spec.array]
                 self._adopt_workers(dead_instance, running, now)
             elif self._kill_orphan is not None:
                 for job in running:
@@ -66,7 +67,11 @@ class Recovery(PlaneCore):
                             outputs={},
                         )
                 touched += tx.adopt(dead_instance, self.instance_id, workers=workers_outlive)
-            for job in self.store.list_jobs(states=[jobs.QUEUED], owner=self.instance_id):
+            self._rebuild_arrays()
+            queued = self.store.list_jobs(states=[jobs.QUEUED], owner=self.instance_id)
+            for job in reversed(queued):  # by arrival: an array's tasks by index
+                if job.spec.array:  # it never runs itself: its tasks do
+                    continue
                 if job.id not in self._queue:
                     spec, retry_at = job.spec, job.marks.get("retry_at", 0.0)  # a back-off holds
                     request = request_of(job.id, spec, job.seq, retry_at)

@@ -47,6 +47,19 @@ class Pending:
 
 
 @dataclass
+class ArrayRun:
+    """An array this control plane runs, while it is not final."""
+
+    tasks: list[str]  # its tasks' ids, by index
+    limit: int | None  # max_parallel
+    left: int  # tasks not final yet
+    released: set[str] = field(default_factory=set)
+    held: deque[str] = field(default_factory=deque)  # queued, not released yet, by index
+    started: bool = False  # its row says running
+    cancelled: bool = False
+
+
+@dataclass
 class NodeTask:
     """One node's share of a running job (a job of one node has one)."""
 

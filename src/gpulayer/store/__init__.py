@@ -27,6 +27,14 @@ class Transaction(abc.ABC):
         """Store a new job; False (nothing written) if its id is stored already."""
 
     @abc.abstractmethod
+    def insert_tasks(self, tasks: Sequence[JobInfo]) -> None:
+        """Store an array's tasks, just made (new ids), in one statement."""
+
+    @abc.abstractmethod
+    def array_started(self, array_id: str, at: float) -> None:
+        """An array's first task was placed: the array is running."""
+
+    @abc.abstractmethod
     def place(
         self,
         job_id: str,
@@ -196,8 +204,9 @@ class Store(abc.ABC):
         self, prefix: str, *, user: str | None = None, projects: Collection[str] = ()
     ) -> list[str]:
         """Ids starting with ``prefix`` (at most 2: enough to tell unique from
-        ambiguous); with ``user``, only among that user's jobs and those in
-        ``projects`` (as :meth:`get_job`)."""
+        ambiguous), an array's tasks only by their whole id; with ``user``,
+        only among that user's jobs and those in ``projects`` (as
+        :meth:`get_job`)."""
 
     @abc.abstractmethod
     def list_jobs(
@@ -210,12 +219,28 @@ class Store(abc.ABC):
         project: str | None = None,
         limit: int | None = None,
         labels: Mapping[str, str] | None = None,
+        array: str | None = None,
+        top_level: bool = False,
     ) -> list[JobInfo]:
         """Jobs, newest first; with ``owner``, only that control-plane
         instance's; with ``user``, only that user's and those in ``projects``
         (as :meth:`get_job`); with ``project``, only that project's (the
         default project's: those of none); with ``labels``, only those whose
-        spec carries every one of them (key and value exactly)."""
+        spec carries every one of them (key and value exactly). With
+        ``array``, only that array's tasks (by index); with ``top_level``,
+        no array's tasks (an array is its one row)."""
+
+    @abc.abstractmethod
+    def array_counts(self, array_ids: Collection[str]) -> dict[str, dict[str, int]]:
+        """Each array's tasks by state."""
+
+    @abc.abstractmethod
+    def array_task(self, array_id: str, index: int) -> str | None:
+        """The id of an array's task with ``index``; None if it has none."""
+
+    @abc.abstractmethod
+    def array_members(self, array_id: str) -> list[tuple[str, str]]:
+        """An array's tasks as (id, state), by index."""
 
     @abc.abstractmethod
     def append_logs(

@@ -285,6 +285,23 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         ALTER TABLE jobs ADD COLUMN scratch TEXT
         """,
     ),
+    # 15: arrays (arrays.py). A task's row names its array and its index
+    # there; an array's own row, how many tasks it has (NULL: not an array).
+    # One index finds an array's tasks, by index.
+    (
+        """
+        ALTER TABLE jobs ADD COLUMN array_of TEXT
+        """,
+        """
+        ALTER TABLE jobs ADD COLUMN array_index INTEGER
+        """,
+        """
+        ALTER TABLE jobs ADD COLUMN array_size INTEGER
+        """,
+        """
+        CREATE INDEX jobs_in_array ON jobs (array_of, array_index) WHERE array_of IS NOT NULL
+        """,
+    ),
 )
 
 LATEST = len(MIGRATIONS)

@@ -109,37 +109,57 @@ def _job_from_row(row: tuple[object, ...], outputs: dict[str, ArtifactRef]) -> J
     )
 
 
+_INSERT_JOB = (
+    "INSERT INTO jobs (id, seq, name, state, priority, spec, attempt, owner, user_name, worker, "
+    "slots, gpus, marks, tasks, project, gpu_demand, began, finished, array_of, array_index, "
+    "array_size) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (id) DO NOTHING"
+)
+
+
+def _job_row(job: JobInfo) -> tuple[object, ...]:
+    spec = job.spec
+    task = spec.array_task
+    return (
+        job.id,
+        job.seq,
+        spec.name,
+        job.state,
+        spec.priority,
+        _encode(spec),
+        job.attempt,
+        job.owner,
+        job.user,
+        job.worker,
+        _encode(job.slots),
+        _encode(job.gpus),
+        _encode(job.marks),
+        _encode(job.tasks).decode() if job.tasks else None,
+        spec.project,  # None: the default project
+        # What it holds while it runs; an array itself runs nothing (its tasks do).
+        0 if spec.array else spec.gpus * spec.nodes,
+        job.marks.get("placed"),
+        job.marks.get("finished") if job.state in FINAL_STATES else None,
+        None if task is None else task.array,
+        None if task is None else task.index,
+        len(spec.array) if spec.array else None,
+    )
+
+
 class _SqliteTransaction(Transaction):
     def __init__(self, db: sqlite3.Connection) -> None:
         self.db = db
 
     def insert_job(self, job: JobInfo) -> bool:
-        return (
-            self.db.execute(
-                "INSERT INTO jobs (id, seq, name, state, priority, spec, attempt, owner, user_name, worker, slots, gpus, marks, tasks, project, gpu_demand, began, finished) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT (id) DO NOTHING",
-                (
-                    job.id,
-                    job.seq,
-                    job.spec.name,
-                    job.state,
-                    job.spec.priority,
-                    _encode(job.spec),
-                    job.attempt,
-                    job.owner,
-                    job.user,
-                    job.worker,
-                    _encode(job.slots),
-                    _encode(job.gpus),
-                    _encode(job.marks),
-                    _encode(job.tasks).decode() if job.tasks else None,
-                    job.spec.project,  # None: the default project
-                    job.spec.gpus * job.spec.nodes,  # what it holds while it runs
-                    job.marks.get("placed"),
-                    job.marks.get("finished") if job.state in FINAL_STATES else None,
-                ),
-            ).rowcount
-            == 1
+        return self.db.execute(_INSERT_JOB, _job_row(job)).rowcount == 1
+
+    def insert_tasks(self, tasks: Sequence[JobInfo]) -> None:
+        # New ids (ids.new_id): no conflict to look for, one statement for all.
+        self.db.executemany(_INSERT_JOB, [_job_row(t) for t in tasks])
+
+    def array_started(self, array_id: str, at: float) -> None:
+        self.db.execute(
+            "UPDATE jobs SET state='running', began=? WHERE id=? AND state='queued'",
+            (at, array_id),
         )
 
     def save_usage(self, project: str, usage: float, at: float) -> None:
@@ -599,8 +619,11 @@ class SqliteStore(Store):
     def find_job(
         self, prefix: str, *, user: str | None = None, projects: Collection[str] = ()
     ) -> list[str]:
-        sql = "SELECT id FROM jobs WHERE id >= ? AND id < ?"
-        params: list[object] = [prefix, prefix + "\uffff"]
+        # An array's tasks have ids that start as its own does (made in the
+        # same millisecond): a start finds the array, a task only by its
+        # whole id (or as JOB:7).
+        sql = "SELECT id FROM jobs WHERE id >= ? AND id < ? AND (array_of IS NULL OR id = ?)"
+        params: list[object] = [prefix, prefix + "\uffff", prefix]
         if user is not None:
             seen, more = _seen_by(user, projects)
             sql += f" AND {seen}"
@@ -619,9 +642,18 @@ class SqliteStore(Store):
         project: str | None = None,
         limit: int | None = None,
         labels: Mapping[str, str] | None = None,
+        array: str | None = None,
+        top_level: bool = False,
     ) -> list[JobInfo]:
         where: list[str] = []
         params: list[object] = []
+        order = "seq DESC"
+        if array is not None:
+            where.append("array_of = ?")
+            params.append(array)
+            order = "array_index"
+        elif top_level:
+            where.append("array_of IS NULL")
         states = tuple(states)
         if states:
             where.append(f"state IN ({','.join('?' * len(states))})")
@@ -652,7 +684,7 @@ class SqliteStore(Store):
         sql = f"SELECT {_JOB_COLUMNS} FROM jobs"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY seq DESC"
+        sql += f" ORDER BY {order}"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
         with self._guarded:
@@ -761,9 +793,41 @@ class SqliteStore(Store):
         return {r[0] for r in rows}
 
     def count_by_state(self) -> dict[str, int]:
+        # Jobs that run: an array is counted by its tasks, not as one more.
         with self._guarded:
-            rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
+            rows = self._db.execute(
+                "SELECT state, COUNT(*) FROM jobs WHERE array_size IS NULL GROUP BY state"
+            ).fetchall()
         return {str(state): int(n) for state, n in rows}
+
+    def array_counts(self, array_ids: Collection[str]) -> dict[str, dict[str, int]]:
+        ids = list(dict.fromkeys(array_ids))
+        counts: dict[str, dict[str, int]] = {i: {} for i in ids}
+        for start in range(0, len(ids), 500):  # within SQLite's bound parameters
+            chunk = ids[start : start + 500]
+            with self._guarded:
+                rows = self._db.execute(
+                    "SELECT array_of, state, COUNT(*) FROM jobs WHERE array_of IN "
+                    f"({','.join('?' * len(chunk))}) GROUP BY array_of, state",
+                    chunk,
+                ).fetchall()
+            for array_id, state, n in rows:
+                counts[str(array_id)][str(state)] = int(n)
+        return counts
+
+    def array_task(self, array_id: str, index: int) -> str | None:
+        with self._guarded:
+            row = self._db.execute(
+                "SELECT id FROM jobs WHERE array_of=? AND array_index=?", (array_id, index)
+            ).fetchone()
+        return None if row is None else str(row[0])
+
+    def array_members(self, array_id: str) -> list[tuple[str, str]]:
+        with self._guarded:
+            rows = self._db.execute(
+                "SELECT id, state FROM jobs WHERE array_of=? ORDER BY array_index", (array_id,)
+            ).fetchall()
+        return [(str(i), str(s)) for i, s in rows]
 
     def add_token(
         self,

@@ -87,9 +87,12 @@ class Transport(abc.ABC):
         states: Iterable[str] = (),
         limit: int | None = None,
         labels: Mapping[str, str] | None = None,
+        array: str | None = None,
     ) -> list[JobInfo]:
-        """Jobs newest first; with ``labels``, only those carrying every one
-        (key and value exactly). See :func:`check_job_filter`."""
+        """Jobs newest first, an array as its one row; with ``labels``, only
+        those carrying every one (key and value exactly); with ``array``
+        (its id or start), that array's tasks by index. See
+        :func:`check_job_filter`."""
 
     @abc.abstractmethod
     def wait(self, job_id: str, timeout: float | None) -> JobInfo: ...

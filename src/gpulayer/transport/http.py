@@ -384,10 +384,13 @@ class HttpTransport(Transport):
         states: Iterable[str] = (),
         limit: int | None = None,
         labels: Mapping[str, str] | None = None,
+        array: str | None = None,
     ) -> list[JobInfo]:
         query: dict[str, Any] = {"state": list(states)}
         if limit is not None:
             query["limit"] = limit
+        if array is not None:
+            query["array"] = array
         if labels:  # label=KEY=VALUE, once for each
             query["label"] = [f"{key}={value}" for key, value in labels.items()]
         return self._call("GET", "/api/v1/jobs", list[JobInfo], query=query)

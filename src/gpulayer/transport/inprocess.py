@@ -42,8 +42,9 @@ class InProcessTransport(Transport):
         states: Iterable[str] = (),
         limit: int | None = None,
         labels: Mapping[str, str] | None = None,
+        array: str | None = None,
     ) -> list[JobInfo]:
-        return self.plane.list_jobs(states=states, limit=limit, labels=labels)
+        return self.plane.list_jobs(states=states, limit=limit, labels=labels, array=array)
 
     def wait(self, job_id: str, timeout: float | None) -> JobInfo:
         return self.plane.wait(job_id, timeout)

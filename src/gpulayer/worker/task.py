@@ -410,6 +410,13 @@ class TaskRun:
             ws.env,
             visible_devices_env(self.gpu_vendor, self.task.gpus),
             {"GPULAYER_JOB_ID": self.task.job_id, "GPULAYER_ATTEMPT": str(self.task.attempt)},
+            # A task of an array: its index there, and the array's id (arrays.py).
+            {}
+            if spec.array_task is None
+            else {
+                "GPULAYER_ARRAY_INDEX": str(spec.array_task.index),
+                "GPULAYER_ARRAY_JOB_ID": spec.array_task.array,
+            },
             # From the start, so that its code can prepare (the Trainer
             # checkpoints when SIGTERM comes within that many seconds).
             {"GPULAYER_PREEMPT_NOTICE": f"{self.kill_grace:g}"} if spec.preemptible else {},
