@@ -45,6 +45,7 @@ from ..service.state import Delivery
 from ..signals import Unsubscribe
 from ..transport import check_job_filter, label_pairs
 from . import auth
+from .dashboard import routes as dashboard_routes
 from .handling import (
     CALLER,
     DIGEST,
@@ -746,6 +747,7 @@ def create_app(plane: ControlPlane, artifacts: ArtifactStore, *, auth_enabled: b
         ("PUT", f"{v1}/projects/{{name}}/members/{{user}}", g((), api.add_project_member)),
         ("DELETE", f"{v1}/projects/{{name}}/members/{{user}}", g((), api.remove_project_member)),
         ("GET", f"{v1}/usage", g(user, api.usage)),
+        *dashboard_routes(api),  # the web pages, signed in by a session cookie
     ]
     app = App(endpoints)
     app.state["api"] = api
