@@ -21,7 +21,8 @@ MAX_ARRAY_INDEX = 999_999  # the largest index a task may have
 INDEX_VAR = "GPULAYER_ARRAY_INDEX"  # what a task reads its index from
 ARRAY_VAR = "GPULAYER_ARRAY_JOB_ID"  # and the array's id
 
-_PART = re.compile(r"(\d+)(?:-(\d+)(?::(\d+))?)?")
+_DIGITS = re.compile(r"[0-9]{1,7}")  # (never int() of thousands of digits)
+_PART = re.compile(r"([0-9]{1,7})(?:-([0-9]{1,7})(?::([0-9]{1,7}))?)?")
 
 
 def parse_array(text: str) -> tuple[list[int], int | None]:
@@ -33,7 +34,7 @@ def parse_array(text: str) -> tuple[list[int], int | None]:
     body, _, limit_text = text.strip().partition("%")
     limit = None
     if limit_text:
-        if not limit_text.isdigit() or int(limit_text) < 1:
+        if not _DIGITS.fullmatch(limit_text) or int(limit_text) < 1:
             raise SpecError(
                 "array",
                 f"after % comes how many tasks may run at once (1 or more), got {limit_text!r}",
@@ -88,11 +89,7 @@ def split_task(ref: str) -> tuple[str, int | None]:
     job, colon, index = ref.partition(":")
     if not colon:
         return ref, None
-    if (
-        not is_job_id_or_prefix(job)
-        or not (index.isascii() and index.isdigit())
-        or int(index) > MAX_ARRAY_INDEX
-    ):
+    if not is_job_id_or_prefix(job) or not _DIGITS.fullmatch(index) or int(index) > MAX_ARRAY_INDEX:
         shown = repr(ref) if len(ref) <= 40 else repr(ref[:37] + "...")
         raise JobNotFoundError(
             f"no job with id {shown}: a task of an array is named by the array's id (or its "

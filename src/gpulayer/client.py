@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from . import bundle, defaults
-from .arrays import parse_array
+from .arrays import MAX_ARRAY_TASKS, parse_array
 from .errors import (
     ArtifactError,
     GPUlayerError,
@@ -570,6 +570,8 @@ class Client:
         wanted = dict(labels or {})
         check_job_filter(states, wanted)  # the same words embedded and against a server
         of = array.id if isinstance(array, Job) else array
+        if of is not None and limit is None:  # every task, embedded and against a server
+            limit = MAX_ARRAY_TASKS
         found = self._transport.list_jobs(
             states=states, limit=limit, labels=wanted or None, **({"array": of} if of else {})
         )
@@ -678,6 +680,10 @@ def _array_fields(array: Iterable[int] | str, max_parallel: int | None) -> dict[
                 "max_parallel", f"{max_parallel} here, but the array says %{limit}: give one"
             )
         max_parallel = limit if max_parallel is None else max_parallel
+    elif isinstance(array, Mapping) or not isinstance(array, Iterable):
+        raise SpecError(
+            "array", f"give indices as a list, a range or words such as 0-99%8, not {array!r}"
+        )
     else:
         indices = list(array)
         if not indices:

@@ -258,7 +258,7 @@ def logs(ctx: click.Context, job_id: str, follow: bool, tail: int | None, as_jso
                 f"job {job.id} is an array: follow one of its tasks ({job.id}:{first}), "
                 "or leave out --follow for every task's lines so far"
             )
-        tasks = client.jobs(array=job, limit=defaults.LIST_JOBS_MAX)
+        tasks = client.jobs(array=job)  # every one
         pieces = [(t, f"[{t.info.spec.array_task.index}] ") for t in tasks if t.info.attempt]  # type: ignore[union-attr]
     else:
         pieces = [(job, "")]

@@ -373,8 +373,7 @@ def run(
     except KeyboardInterrupt:
         # A second signal while it is cancelled: exit now (a server still
         # cancels it; embedded, the next command ends what is left).
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(signum, _exit_now)
+        _exit_on_next_signal()
         click.echo(f"\ngpulayer: cancelling job {job.id} (again to exit at once)", err=True)
         state = job.cancel()
         state = job.wait()
@@ -495,6 +494,26 @@ def _say_why_it_waits(client: Client, job_id: str, started: threading.Event) -> 
 
 def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _exit_on_next_signal() -> None:
+    """From now on a signal exits at once, whatever the main thread does.
+
+    A Python handler runs only when the main thread is between bytecodes,
+    and the cancel may hold it in one C call for a while (a store's busy
+    wait): so the C-level handler's write to the wakeup fd, made at once in
+    whichever thread the signal lands on, wakes a thread that exits."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_now)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=_exit_when_woken, args=(read,), daemon=True).start()
+
+
+def _exit_when_woken(fd: int) -> None:
+    os.read(fd, 1)  # a byte: a signal came
+    _exit_now(0, None)
 
 
 def _exit_now(signum: int, _frame: object) -> None:

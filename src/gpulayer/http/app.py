@@ -44,6 +44,7 @@ from ..service.blobs import worker_reader
 from ..service.state import Delivery
 from ..signals import Unsubscribe
 from ..transport import check_job_filter, label_pairs
+from ..arrays import MAX_ARRAY_TASKS
 from . import auth
 from .dashboard import routes as dashboard_routes
 from .handling import (
@@ -197,11 +198,13 @@ class Api:
             check_job_filter(states, labels)
         except GPUlayerError as exc:
             raise ApiError(422, str(exc)) from None
-        limit = query_int(request, "limit", 100, low=1, high=defaults.LIST_JOBS_MAX)
-        viewer = viewer_of(request)  # only the caller's jobs, as without a filter
         arrays = request.query.get("array", [])
         if len(arrays) > 1:
             raise ApiError(422, "query parameter array: give one array, not several")
+        # An array's tasks, all in one listing if asked (at most MAX_ARRAY_TASKS).
+        most = MAX_ARRAY_TASKS if arrays else defaults.LIST_JOBS_MAX
+        limit = query_int(request, "limit", 100, low=1, high=most)
+        viewer = viewer_of(request)  # only the caller's jobs, as without a filter
         return json_response(
             self.plane.list_jobs(
                 states=states,

@@ -58,6 +58,7 @@ class Arrays(PlaneCore):
                 )
             )
         run = ArrayRun([t.id for t in tasks], spec.max_parallel, len(tasks))
+        assert array.id not in self._arrays  # (a retried submit is answered before)
         self._arrays[array.id] = run
         for task in tasks:
             self._array_of[task.id] = array.id
@@ -74,6 +75,14 @@ class Arrays(PlaneCore):
             if task_id in self._queue:
                 self._dequeue(task_id)
 
+    def _held_by_array(self, pending: Pending) -> str | None:
+        """Why a task its array holds back waits, in words; None if it is not held."""
+        task = pending.spec.array_task
+        run = None if task is None else self._arrays.get(task.array)
+        if run is None or pending.request.job_id in run.released:
+            return None
+        return f"held by its array {task.array}: at most {run.limit} of its tasks at once"  # type: ignore[union-attr]
+
     def _array_holds(self, pending: Pending) -> bool:
         task = pending.spec.array_task
         if task is None:
@@ -87,6 +96,25 @@ class Arrays(PlaneCore):
             return False
         run.held.append(job_id)
         return True
+
+    def _placement_refused(self, tx: Transaction, job_id: str, now: float) -> list[str]:
+        """A task's placement was refused: it is no longer queued in the
+        store. If its array was cancelled by another process on this home,
+        so was every task it holds back: they leave the queue now (returned,
+        to be signalled ended), not one placement pass each."""
+        array_id = self._array_of.get(job_id)
+        run = None if array_id is None else self._arrays.get(array_id)
+        if array_id is None or run is None or run.cancelled:
+            return []
+        if not tx.cancel_requested(array_id):
+            return []
+        run.cancelled = True
+        held = [t for t in run.held if t in self._queue and t != job_id]
+        run.held.clear()
+        for task_id in held:
+            tx.cancel_queued(task_id, now)  # (cancelled there already, as a rule)
+            self._dequeue(task_id)
+        return held
 
     def _placing(self, tx: Transaction, job_id: str, now: float) -> None:
         array_id = self._array_of.get(job_id)
@@ -107,6 +135,12 @@ class Arrays(PlaneCore):
             run = self._arrays[array_id]
             run.left -= 1
             run.released.discard(job_id)
+            final = self._finished.get(job_id)
+            if not run.cancelled and (final is None or final.state == jobs.CANCELLED):
+                # Perhaps by a cancel of the whole array from another process
+                # on this home: the next pass looks (_settle_arrays).
+                self._arrays_to_check.add(array_id)
+                self._arm_retry(self._clock())
             while (
                 run.held
                 and not run.cancelled
@@ -124,7 +158,14 @@ class Arrays(PlaneCore):
         super()._ended(job_id)
 
     def _settle_arrays(self, now: float) -> None:
-        """Store the end of each array whose last task has ended."""
+        """End the tasks of each array cancelled from another process, then
+        store the end of each array whose last task has ended."""
+        for array_id in sorted(self._arrays_to_check):
+            run = self._arrays.get(array_id)
+            row = None if run is None or run.cancelled else self.store.get_job(array_id)
+            if run is not None and row is not None and row.cancel_requested:
+                self._end_cancelled_elsewhere(array_id, run, now)
+            self._arrays_to_check.discard(array_id)
         for array_id in sorted(self._arrays_ended):
             counts = self.store.array_counts([array_id])[array_id]
             state, reason = _outcome(counts)
@@ -136,6 +177,20 @@ class Arrays(PlaneCore):
             if final is not None:
                 final.array_states = counts
             self._signal_done(array_id, final)
+
+    def _end_cancelled_elsewhere(self, array_id: str, run: ArrayRun, now: float) -> None:
+        """Another process cancelled this array in the store: its tasks still
+        queued here leave the queue (ended there, or here now)."""
+        queued = [t for t in run.tasks if t in self._queue]
+        with self.store.transaction() as tx:
+            for task_id in queued:
+                tx.cancel_queued(task_id, now)
+        run.cancelled = True
+        run.held.clear()
+        for task_id in queued:
+            self._dequeue(task_id)
+        for task_id in queued:
+            self._signal_done(task_id)
 
     def _rebuild_arrays(self) -> None:
         """The arrays this plane owns (after a restart), from their tasks'
@@ -198,9 +253,7 @@ class Arrays(PlaneCore):
             except StoreError:  # not stored: it all stays as it was
                 run.cancelled = False
                 for pending in pendings:
-                    self._queue[pending.request.job_id] = pending
-                    if pending.request.job_id in run.released:
-                        self._waiting.add(pending.request)
+                    self._enqueue(pending)  # (its dependencies and its array's hold too)
                 raise
             self._dispatch(assignments, now)
             for task_id in running:
@@ -210,7 +263,10 @@ class Arrays(PlaneCore):
             for task_id in queued:
                 self._signal_done(task_id)
             if array_id in self._arrays_ended:
-                self._settle_arrays(now)
+                try:  # at once, so the reply says cancelled; else the next pass does
+                    self._settle_arrays(now)
+                except StoreError:
+                    self._arm_retry(now + 1.0)
 
     def _cancel_array_elsewhere(self, array_id: str) -> None:
         """An array another live process on this home runs (embedded): its

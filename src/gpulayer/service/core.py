@@ -97,6 +97,7 @@ class PlaneCore:
         self._arrays: dict[str, ArrayRun] = {}
         self._array_of: dict[str, str] = {}
         self._arrays_ended: set[str] = set()
+        self._arrays_to_check: set[str] = set()  # a task ended cancelled: was the array?
         # Projects, their quotas and usage, and preemption's bookkeeping.
         self._sharing = Sharing(store, fair_share_half_life, clock)
         self._memberships = self._sharing.memberships
@@ -548,8 +549,10 @@ class PlaneCore:
             if not placed:
                 for gone in group:
                     assignments.remove(gone)
+                also = self._placement_refused(tx, a.job_id, now)
                 self._dequeue(a.job_id)
-                self._signal_done(a.job_id)
+                for job_id in (a.job_id, *also):
+                    self._signal_done(job_id)
             else:
                 self._placing(tx, a.job_id, now)
 
@@ -749,6 +752,9 @@ class PlaneCore:
 
     def _placing(self, tx: Transaction, job_id: str, now: float) -> None:
         return None
+
+    def _placement_refused(self, tx: Transaction, job_id: str, now: float) -> list[str]:
+        return []
 
     def _settle_arrays(self, now: float) -> None:
         return None

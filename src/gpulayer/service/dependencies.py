@@ -108,7 +108,9 @@ class Dependencies(PlaneCore):
         """What the jobs that ended lately release or doom (see module)."""
         ended, self._settle = self._settle, set()
         for dep in ended:
-            for job_id in self._dependents.pop(dep, set()):
+            # By arrival: an array's tasks are released by index.
+            released = self._dependents.pop(dep, set())
+            for job_id in sorted(released, key=lambda j: self._seq_of(j)):
                 unmet = self._unmet.get(job_id)
                 pending = self._queue.get(job_id)
                 if unmet is None or pending is None:
@@ -134,6 +136,10 @@ class Dependencies(PlaneCore):
             self._dequeue(job_id)
         for job_id in doomed:
             self._signal_done(job_id)  # (and what waits for it, in turn)
+
+    def _seq_of(self, job_id: str) -> int:
+        pending = self._queue.get(job_id)
+        return pending.request.seq if pending is not None else 0
 
     def _waits_for(self, job_id: str) -> str | None:
         """Why a held-back job waits, in words; None if it does not."""

@@ -73,7 +73,10 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Arrays, Dependencies):
         now = self._clock()
         with self._lock:
             if job_id is not None and (
-                job_id in self._queue or job_id in self._running or job_id in self._finished
+                job_id in self._queue
+                or job_id in self._running
+                or job_id in self._finished
+                or job_id in self._arrays
             ):
                 # A retried submit of a job this plane holds: answered before
                 # anything in memory is touched (its queue entry stays whole).
@@ -118,7 +121,7 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Arrays, Dependencies):
             except BaseException:
                 self._unqueue(job.id, tasks)
                 raise
-            if tasks and any(a.job_id in self._array_of for a in assignments):
+            if tasks and {a.job_id for a in assignments} & {t.id for t in tasks}:
                 job.state = jobs.RUNNING
             self._seq = seq
             self._dispatch(assignments, now)
@@ -255,7 +258,7 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Arrays, Dependencies):
         with self._lock:
             pending = self._queue.get(job.id)
             if pending is not None:
-                waits = self._waits_for(job.id)
+                waits = self._waits_for(job.id) or self._held_by_array(pending)
                 if waits is not None:
                     return waits
                 caps = [w.capacity() for w in self._open_workers()]
@@ -367,6 +370,9 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Arrays, Dependencies):
                 unknown.append(job_id)
             elif job.done:
                 found.append(redacted(job))
+        arrays = [job for job in found if job.spec.array and not job.array_states]
+        if arrays:
+            self._tally(arrays)
         return found, unknown
 
     def watch_job(self, job_id: str) -> tuple[JobInfo | None, Done | None]:
@@ -384,6 +390,8 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Arrays, Dependencies):
         job = self.store.get_job(job_id)
         if job is None:
             raise JobNotFoundError(f"no job with id {job_id!r}")
+        if job.done and job.spec.array:
+            self._tally([job])
         return (redacted(job), None) if job.done else (None, None)
 
     def cancel(self, job_id: str, viewer: Viewer | None = None) -> JobInfo:

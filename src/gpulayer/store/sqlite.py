@@ -440,12 +440,15 @@ class _SqliteTransaction(Transaction):
     def delete_jobs_ended_before(self, cutoff: float) -> tuple[int, int]:
         final = ",".join(f"'{state}'" for state in sorted(FINAL_STATES))
         # A final job has its 'finished' mark; one from before marks were
-        # kept falls back on when it was submitted.
+        # kept falls back on when it was submitted. An array's task goes with
+        # its array, never while the array runs: its end is one the array's counts.
         ids = [
             row[0]
             for row in self.db.execute(
                 f"SELECT id FROM jobs WHERE state IN ({final}) AND COALESCE("
-                "json_extract(marks, '$.finished'), json_extract(marks, '$.submitted'), 0) < ?",
+                "json_extract(marks, '$.finished'), json_extract(marks, '$.submitted'), 0) < ? "
+                "AND (array_of IS NULL OR NOT EXISTS (SELECT 1 FROM jobs AS a "
+                f"WHERE a.id = jobs.array_of AND a.state NOT IN ({final})))",
                 (cutoff,),
             )
         ]
