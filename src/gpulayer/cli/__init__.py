@@ -6,7 +6,19 @@ commands to the ``main`` group of ``root.py`` when imported here.
 
 from __future__ import annotations
 
-from . import actions, jobs, maintenance, projects, run, server, tokens, usage, worker, workers
+from . import (
+    actions,
+    dashboard,
+    jobs,
+    maintenance,
+    projects,
+    run,
+    server,
+    tokens,
+    usage,
+    worker,
+    workers,
+)
 from .root import _main, main
 from .run import EXIT_CODES
 
@@ -14,6 +26,7 @@ __all__ = [
     "EXIT_CODES",
     "_main",
     "actions",
+    "dashboard",
     "jobs",
     "main",
     "maintenance",

@@ -19,9 +19,11 @@ if TYPE_CHECKING:
     from ..app import Api
 
 
-def routes(api: Api) -> list[tuple[str, str, Handler]]:
-    """The dashboard's routes, for the app's table."""
-    d = Dashboard(api)
+def routes(api: Api, *, sign_in_once: str | None = None) -> list[tuple[str, str, Handler]]:
+    """The dashboard's routes, for the app's table. ``sign_in_once``: the
+    sha256 of a one-time sign-in secret (`gpulayer dashboard`), in place of
+    tokens."""
+    d = Dashboard(api, sign_in_once=sign_in_once)
     page = d.handler
     poll = functools.partial(d.handler, poll=True)
     post = functools.partial(d.handler, post=True)

@@ -44,11 +44,17 @@ Page = Callable[[Request, Session], Awaitable[ASGIResponse]]
 
 
 class Dashboard:
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: Api, *, sign_in_once: str | None = None) -> None:
         self.api = api
         self.plane = api.plane
         # Without auth, every request is the server's local user's (as in the API).
-        self.sessions = Sessions(api.plane.store, None if api.auth_enabled else local_viewer())
+        # `gpulayer dashboard` signs in with a one-time secret instead of a token
+        # (``sign_in_once``, its sha256: cli/dashboard.py); a server does not.
+        self.sessions = Sessions(
+            api.plane.store,
+            None if api.auth_enabled else local_viewer(),
+            once=sign_in_once,
+        )
         self.render = Renderer()
 
     def handler(self, page: Page, *, poll: bool = False, post: bool = False) -> Handler:
@@ -183,7 +189,21 @@ class Dashboard:
     async def signin_form(self, request: Request) -> ASGIResponse:
         if self.sessions.of(request) is not None:
             return redirect("/")
-        return self.render.page("signin.html", session=None, error=None)
+        secret = request.query_value("token")
+        if secret is None:
+            return self.render.page("signin.html", session=None, error=None)
+        if not self.sessions.takes_links:
+            error = (
+                "paste the token into the form: one in an address stays in the browser's history"
+            )
+            return self.render.page("signin.html", 400, session=None, error=error)
+        # The printed link: its secret signs in once, and the redirect takes it
+        # out of the address bar.
+        try:
+            session = self.sessions.sign_in(secret)
+        except Refused as exc:
+            return self.render.page("signin.html", exc.status, session=None, error=str(exc))
+        return redirect("/", cookie=set_cookie(request, session))
 
     async def signin(self, request: Request) -> ASGIResponse:
         try:

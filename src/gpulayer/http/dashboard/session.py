@@ -10,6 +10,10 @@ again (two indexed reads), so a revoked or expired token ends its
 sessions at their next request. A restart of the server ends every
 session: its users sign in again.
 
+An embedded home has no tokens: ``gpulayer dashboard`` (cli/dashboard.py)
+prints a sign-in link instead, whose secret signs in one browser, once, as
+the home's local user; only the secret's sha256 is kept, in memory.
+
 Every POST carries the session's CSRF token in a form field, compared in
 constant time, and is refused when its ``Origin`` (or ``Sec-Fetch-Site``)
 says another site sent it: the sign-in form too, which has no session yet.
@@ -24,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from http.cookies import CookieError, SimpleCookie
 
-from ...access import Viewer
+from ...access import Viewer, local_viewer
 from ...store import Store
 from .. import auth
 from ..routing import Request
@@ -45,7 +49,7 @@ class Refused(Exception):
 @dataclass(frozen=True, slots=True)
 class Session:
     sid: str
-    digest: str | None  # the token's sha256; None: a server without auth
+    digest: str | None  # the token's sha256; None: a server without auth, or a one-time sign-in
     csrf: str
     expires: float
     viewer: Viewer
@@ -55,10 +59,14 @@ class Session:
 class Sessions:
     """The signed-in browsers of one server, in memory."""
 
-    def __init__(self, store: Store, local: Viewer | None = None) -> None:
+    def __init__(self, store: Store, local: Viewer | None = None, once: str | None = None) -> None:
         """``local``: the viewer of a server without auth, whose every
-        request is signed in already (as the API's are)."""
+        request is signed in already (as the API's are). ``once``: the
+        sha256 of the one secret that signs in here (``gpulayer
+        dashboard``), once, as the local user; tokens do not then."""
         self._store = store
+        self._links = once is not None
+        self._once = once
         self._by_id: OrderedDict[str, Session] = OrderedDict()
         self._local = (
             None
@@ -70,11 +78,20 @@ class Sessions:
     def auth_enabled(self) -> bool:
         return self._local is None
 
+    @property
+    def takes_links(self) -> bool:
+        """Whether a link (``GET /signin?token=``) may sign in: only with a
+        one-time secret, never with a token, which the browser's history
+        would keep."""
+        return self._links
+
     def sign_in(self, token: str) -> Session:
         """A new session for ``token``, or Refused(401/403) saying why not."""
         token = token.strip()
         if not token:
             raise Refused(401, "paste a token to sign in")
+        if self._links:
+            return self._sign_in_once(token)
         caller = self._caller(auth.digest(token))
         if caller is None:
             # Never the token itself: it may be someone's password-like secret.
@@ -86,13 +103,22 @@ class Sessions:
         expires = time.time() + SESSION_S
         if caller.expires is not None:
             expires = min(expires, caller.expires)
+        return self._add(caller.digest, expires, caller.viewer, caller.role)
+
+    def _sign_in_once(self, secret: str) -> Session:
+        once = self._once
+        if once is None or not hmac.compare_digest(auth.digest(secret), once):
+            raise Refused(
+                401,
+                "that sign-in link is wrong, or was used already (each one signs in once); "
+                "start `gpulayer dashboard` again for a new one",
+            )
+        self._once = None
+        return self._add(None, time.time() + SESSION_S, local_viewer(), auth.ADMIN)
+
+    def _add(self, digest: str | None, expires: float, viewer: Viewer, role: str) -> Session:
         session = Session(
-            secrets.token_urlsafe(32),
-            caller.digest,
-            secrets.token_urlsafe(32),
-            expires,
-            caller.viewer,
-            caller.role,
+            secrets.token_urlsafe(32), digest, secrets.token_urlsafe(32), expires, viewer, role
         )
         if len(self._by_id) >= MAX_SESSIONS:
             self._by_id.popitem(last=False)
@@ -117,7 +143,8 @@ class Sessions:
 
     def _still_valid(self, session: Session) -> bool:
         """Whether its token is still there, for the same user and role."""
-        assert session.digest is not None
+        if session.digest is None:
+            return True  # a one-time sign-in's: no token to end it, only its end or sign-out
         caller = self._caller(session.digest)
         return (
             caller is not None and caller.viewer == session.viewer and caller.role == session.role
