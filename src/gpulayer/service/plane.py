@@ -282,11 +282,18 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Arrays, Dependencies):
         viewer: Viewer | None = None,
         labels: Mapping[str, str] | None = None,
         array: str | None = None,
+        submitter: str | None = None,
+        project: str | None = None,
+        text: str | None = None,
+        offset: int = 0,
     ) -> list[JobInfo]:
         """The jobs ``viewer`` may see, newest first, an array as its one
         row; with ``labels``, only those carrying every one; with ``array``
-        (an array's id or its start), that array's tasks by index. A filter
-        that cannot match (an unknown state) is an error, not an empty list."""
+        (an array's id or its start), that array's tasks by index; with
+        ``submitter``, ``project`` and ``text``, only that user's, that
+        project's, those whose name, script or command holds it; ``offset``:
+        after passing over that many (a page). A filter that cannot match
+        (an unknown state) is an error, not an empty list."""
         states = list(states)
         labels = dict(labels or {})
         check_job_filter(states, labels)
@@ -299,6 +306,10 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Arrays, Dependencies):
             labels=labels,
             array=array_id,
             top_level=array_id is None,
+            submitter=submitter,
+            project=project,
+            text=text,
+            offset=offset,
             **only,
         )
         arrays = [job for job in found if job.spec.array]

@@ -221,6 +221,9 @@ class Store(abc.ABC):
         labels: Mapping[str, str] | None = None,
         array: str | None = None,
         top_level: bool = False,
+        submitter: str | None = None,
+        text: str | None = None,
+        offset: int = 0,
     ) -> list[JobInfo]:
         """Jobs, newest first; with ``owner``, only that control-plane
         instance's; with ``user``, only that user's and those in ``projects``
@@ -228,7 +231,9 @@ class Store(abc.ABC):
         default project's: those of none); with ``labels``, only those whose
         spec carries every one of them (key and value exactly). With
         ``array``, only that array's tasks (by index); with ``top_level``,
-        no array's tasks (an array is its one row)."""
+        no array's tasks (an array is its one row); with ``submitter``, only
+        that user's; with ``text``, only those whose name, script or command
+        holds it (case aside); ``offset``: after passing over that many."""
 
     @abc.abstractmethod
     def array_counts(self, array_ids: Collection[str]) -> dict[str, dict[str, int]]:

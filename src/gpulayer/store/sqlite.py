@@ -647,9 +647,25 @@ class SqliteStore(Store):
         labels: Mapping[str, str] | None = None,
         array: str | None = None,
         top_level: bool = False,
+        submitter: str | None = None,
+        text: str | None = None,
+        offset: int = 0,
     ) -> list[JobInfo]:
         where: list[str] = []
         params: list[object] = []
+        if submitter is not None:
+            where.append("user_name = ?")
+            params.append(submitter)
+        if text:
+            # Its name, script and command, case aside (ASCII, as LIKE does);
+            # the text's own % and _ match only themselves.
+            where.append(
+                "(COALESCE(name, '') || ' ' || COALESCE(json_extract(CAST(spec AS TEXT), "
+                "'$.script'), '') || ' ' || COALESCE(json_extract(CAST(spec AS TEXT), "
+                "'$.command'), '')) LIKE ? ESCAPE '\\'"
+            )
+            escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            params.append(f"%{escaped}%")
         order = "seq DESC"
         if array is not None:
             where.append("array_of = ?")
@@ -688,8 +704,10 @@ class SqliteStore(Store):
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += f" ORDER BY {order}"
-        if limit is not None:
-            sql += f" LIMIT {int(limit)}"
+        if limit is not None or offset:
+            sql += f" LIMIT {-1 if limit is None else int(limit)}"
+        if offset:
+            sql += f" OFFSET {int(offset)}"
         with self._guarded:
             rows = self._db.execute(sql, params).fetchall()
             outputs = self._outputs([r[0] for r in rows])

@@ -14,7 +14,6 @@ from typing import Any
 from ...access import Viewer, sees_all
 from ...errors import GPUlayerError
 from ...jobs import STAGES, STATES, JobInfo, LogChunk
-from ...projects import DEFAULT_PROJECT
 from ...service import ControlPlane
 from ...transport import check_job_filter, label_pairs
 from ..routing import Request
@@ -22,9 +21,6 @@ from .session import Refused
 
 PAGE = 50  # jobs a page
 MAX_PAGE = 200  # the deepest page (10,000 jobs in); past it, narrow the filter
-# Jobs looked through, newest first, for the filters the store does not
-# apply itself (user, project, text); the page says when it stopped there.
-SCAN = 5000
 MAX_TEXT = 200  # characters of a filter field
 FILTER_FIELDS = ("state", "user", "project", "label", "q", "page")
 TIMELINE_WIDTH = 600  # the timeline's SVG user units
@@ -39,11 +35,6 @@ class JobFilter:
     q: str = ""
     page: int = 1
 
-    @property
-    def in_store(self) -> bool:
-        """Whether the store applies every filter (and a page is one bounded read)."""
-        return not (self.user or self.project or self.q)
-
     def link(self, page: int) -> str:
         """The query string of this filter's page ``page``."""
         pairs: list[tuple[str, str]] = [("state", s) for s in self.states]
@@ -51,16 +42,6 @@ class JobFilter:
         pairs += [("label", f"{k}={v}") for k, v in self.labels.items()]
         pairs += [("q", self.q), ("page", str(page))]
         return urllib.parse.urlencode([(k, v) for k, v in pairs if v])
-
-    def matches(self, job: JobInfo) -> bool:
-        if self.user and job.user != self.user:
-            return False
-        if self.project and (job.spec.project or DEFAULT_PROJECT) != self.project:
-            return False
-        if self.q:
-            text = " ".join([job.spec.name or "", *(job.spec.command or []), job.spec.script or ""])
-            return self.q.casefold() in text.casefold()
-        return True
 
 
 def job_filter(request: Request) -> JobFilter:
@@ -90,19 +71,23 @@ def job_filter(request: Request) -> JobFilter:
 class JobPage:
     jobs: list[JobInfo]
     more: bool  # there is a next page
-    scanned: int | None  # the filter looked through only this many of the newest jobs
 
 
 def jobs_page(plane: ControlPlane, viewer: Viewer, f: JobFilter) -> JobPage:
-    """One page of the jobs ``viewer`` sees, newest first: at most
-    ``page * PAGE + 1`` rows read when the store applies every filter."""
-    start, end = (f.page - 1) * PAGE, f.page * PAGE
-    if f.in_store:
-        rows = plane.list_jobs(states=f.states, labels=f.labels, limit=end + 1, viewer=viewer)
-        return JobPage(rows[start:end], len(rows) > end, None)
-    rows = plane.list_jobs(states=f.states, labels=f.labels, limit=SCAN, viewer=viewer)
-    matched = [job for job in rows if f.matches(job)]
-    return JobPage(matched[start:end], len(matched) > end, SCAN if len(rows) == SCAN else None)
+    """One page of the jobs ``viewer`` sees, newest first: the store applies
+    every filter and passes over the pages before (never decoding them), so
+    a page is one read of ``PAGE + 1`` rows."""
+    rows = plane.list_jobs(
+        states=f.states,
+        labels=f.labels,
+        submitter=f.user or None,
+        project=f.project or None,
+        text=f.q or None,
+        limit=PAGE + 1,
+        offset=(f.page - 1) * PAGE,
+        viewer=viewer,
+    )
+    return JobPage(rows[:PAGE], len(rows) > PAGE)
 
 
 def timeline(job: JobInfo) -> list[dict[str, Any]]:
