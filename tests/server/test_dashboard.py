@@ -306,6 +306,33 @@ def test_cancel_with_the_csrf_token_cancels(dash: Dash) -> None:
     assert "Cancel</button>" not in b.get(f"/jobs/{job}").text  # nothing left to cancel
 
 
+# ---- re-running ----
+
+
+def test_rerun_submits_the_same_spec_as_the_viewer_s_job(dash: Dash) -> None:
+    job = dash.submit("ada", name="again", labels={"k": "v"})
+    b = dash.browser("ada")
+    token = b.csrf(f"/jobs/{job}")
+    assert b.post(f"/jobs/{job}/rerun", {}).status == 403  # no CSRF token: nothing
+    assert len(dash.plane.list_jobs()) == 1
+    reply = b.post(f"/jobs/{job}/rerun", {"csrf": token})
+    assert reply.status == 303 and reply.location != f"/jobs/{job}"
+    new = reply.location.rsplit("/", 1)[1]  # type: ignore[union-attr]
+    again = dash.plane.get(new)
+    assert again.user == "ada" and again.spec == dash.plane.get(job).spec
+
+
+def test_rerun_of_another_user_s_job_or_one_with_secrets_submits_nothing(dash: Dash) -> None:
+    theirs = dash.submit("ada")
+    b = dash.browser("bob")
+    assert b.post(f"/jobs/{theirs}/rerun", {"csrf": b.csrf()}).status == 404
+    secret = dash.submit("bob", secrets={"API_KEY": "s3cret"})
+    reply = b.post(f"/jobs/{secret}/rerun", {"csrf": b.csrf()})
+    assert reply.status == 409 and "secrets" in reply.text and "s3cret" not in reply.text
+    assert "Re-run</button>" not in b.get(f"/jobs/{secret}").text
+    assert len(dash.plane.list_jobs()) == 2
+
+
 def test_another_session_s_csrf_token_does_not_work(dash: Dash) -> None:
     job = dash.submit("ada")
     other = dash.browser("ada").csrf()

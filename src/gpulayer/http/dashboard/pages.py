@@ -186,6 +186,32 @@ class Dashboard:
         job = self.plane.cancel(request.path_params["job_id"], session.viewer)
         return redirect(f"/jobs/{urllib.parse.quote(job.id)}")
 
+    async def rerun(self, request: Request, session: Session) -> ASGIResponse:
+        """A new job with the spec of this one (as `gpulayer rerun`), the
+        viewer's: into its project, by its rules. Refused, changing nothing,
+        for a job with secrets (their values are never handed back) or whose
+        files are no longer stored."""
+        old = self.plane.get(request.path_params["job_id"], session.viewer)
+        spec = old.spec
+        if spec.secrets:
+            raise Refused(
+                409,
+                f"job {old.id} had secrets, whose values are never handed back: rerun it with "
+                f"gpulayer rerun {old.id} --secret NAME; nothing was submitted",
+            )
+        stored = [ref.digest for ref in spec.inputs.values()]
+        stored += [spec.bundle] if spec.bundle is not None else []
+        if any(not self.api.artifacts.has(digest) for digest in stored):
+            raise Refused(
+                409,
+                f"job {old.id}'s files are no longer stored (freed since it ran?); "
+                "submit it again from its files; nothing was submitted",
+            )
+        if spec.array_task is not None:  # one task again: an array of that one index
+            spec = msgspec.structs.replace(spec, array=[spec.array_task.index], array_task=None)
+        job = self.plane.submit(spec, viewer=session.viewer)
+        return redirect(f"/jobs/{urllib.parse.quote(job.id)}")
+
     async def signin_form(self, request: Request) -> ASGIResponse:
         if self.sessions.of(request) is not None:
             return redirect("/")
