@@ -80,6 +80,7 @@ WORKER_KEYS = {
     "started",
     "last_seen",
     "running",
+    "gpu_stats",
 }
 LOG_KEYS = {"schema", "seq", "time", "stream", "rank", "node", "text"}
 JOB_COLUMNS = [
@@ -189,12 +190,13 @@ def test_workers_as_a_table_and_as_json(home: Path, waiting: gpulayer.Job) -> No
         "GPUS",
         "CONTAINMENT",
         "RUNNING",
+        "GPU USE",
     ]
     [row] = [line.split("\t") for line in lines[1:]]
     [worker] = json.loads(ok(gl("workers", "--json", home=home)))
     assert set(worker) == WORKER_KEYS and worker["schema"] == 1
     assert row[0] == worker["id"] and row[3] == str(worker["slots"]) == "1"
-    assert worker["running"] == [] and worker["gpu_names"] == []
+    assert worker["running"] == [] and worker["gpu_names"] == [] and worker["gpu_stats"] == []
 
 
 def test_jobs_and_show_as_json(home: Path, tmp_path: Path) -> None:

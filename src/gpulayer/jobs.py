@@ -5,7 +5,7 @@ rules that decide a job's next state.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -125,6 +125,31 @@ class JobInfo(msgspec.Struct, kw_only=True):
         }
 
 
+# GPU figures (see worker/telemetry.py). A worker's token holder can send
+# anything, so each figure is bounded to what a GPU can report: a heartbeat
+# outside them is refused (the worker's sampler drops such a figure instead).
+MAX_TELEMETRY_GPUS = 64  # GPUs a heartbeat reports on; more than any machine has
+_Percent = Annotated[float, msgspec.Meta(ge=0, le=100)]
+_Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**60)]  # an exbibyte
+
+
+class GpuStats(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One GPU's figures at one moment; a figure its GPU does not report is None.
+
+    Sent by its worker with a heartbeat, ``time`` left out: the server
+    stamps each with its own clock as it arrives."""
+
+    index: Annotated[int, msgspec.Meta(ge=0, le=1023)]  # as in CUDA_VISIBLE_DEVICES
+    uuid: Annotated[str, msgspec.Meta(max_length=128)] | None = None
+    name: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    utilization: _Percent | None = None  # of the last sample period the GPU was busy
+    memory_used: _Bytes | None = None
+    memory_total: _Bytes | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=-100, le=300)] | None = None  # °C
+    power: Annotated[float, msgspec.Meta(ge=0, le=100_000)] | None = None  # W
+    time: Annotated[float, msgspec.Meta(ge=0, le=1e11)] = 0.0  # seconds since the epoch
+
+
 class WorkerInfo(msgspec.Struct, kw_only=True):
     id: str
     name: str
@@ -142,6 +167,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     started: float = 0.0
     last_seen: float = 0.0
     running: list[str] = []  # job ids; filled in by the service
+    # Each GPU's latest figures, from its heartbeats; filled in by the service.
+    gpu_stats: Annotated[list[GpuStats], msgspec.Meta(max_length=MAX_TELEMETRY_GPUS)] = []
 
 
 class LogLine(msgspec.Struct, array_like=True, omit_defaults=True):

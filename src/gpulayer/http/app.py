@@ -20,6 +20,7 @@ from starlette.responses import FileResponse
 
 from .. import defaults
 from ..access import Viewer, local_viewer, sees_all
+from ..arrays import MAX_ARRAY_TASKS
 from ..artifacts import ArtifactStore
 from ..errors import (
     ArtifactError,
@@ -44,7 +45,6 @@ from ..service.blobs import worker_reader
 from ..service.state import Delivery
 from ..signals import Unsubscribe
 from ..transport import check_job_filter, label_pairs
-from ..arrays import MAX_ARRAY_TASKS
 from . import auth
 from .dashboard import routes as dashboard_routes
 from .handling import (
@@ -449,7 +449,9 @@ class Api:
     async def heartbeat(self, request: Request) -> Response:
         beat = await read_body(request, HeartbeatRequest, SMALL_REPORT_MAX)
         self._check_owner(request, request.path_params["worker_id"])
-        self.plane.heartbeat(request.path_params["worker_id"], stopping=beat.stopping)
+        self.plane.heartbeat(
+            request.path_params["worker_id"], stopping=beat.stopping, gpus=beat.gpus
+        )
         return Response(status=204)
 
     async def acquire(self, request: Request) -> Response:

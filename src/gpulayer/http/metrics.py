@@ -39,6 +39,43 @@ class _PlaneCollector(Collector):
         )
 
 
+# Each GPU's latest figures: (name, help, the GpuStats field).
+_GPU_GAUGES = (
+    (
+        "gpulayer_gpu_utilization_percent",
+        "Of the last sample period the GPU was busy",
+        "utilization",
+    ),
+    ("gpulayer_gpu_memory_used_bytes", "GPU memory in use", "memory_used"),
+    ("gpulayer_gpu_memory_total_bytes", "GPU memory in all", "memory_total"),
+    ("gpulayer_gpu_temperature_celsius", "GPU temperature", "temperature"),
+    ("gpulayer_gpu_power_watts", "GPU power draw", "power"),
+)
+
+
+class _GpuCollector(Collector):
+    """Each live worker's GPUs' latest figures (see worker/telemetry.py):
+    a GPU whose figures are not fresh, or that does not report one, has no
+    sample of that gauge."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["worker", "gpu", "uuid"]
+        gauges = [GaugeMetricFamily(name, text, labels=labels) for name, text, _ in _GPU_GAUGES]
+        # prometheus_client escapes label values as the text format asks: a
+        # uuid is the worker's word (at most 128 characters, see GpuStats).
+        for worker_id, found in sorted(self.plane.gpu_stats().items()):
+            for stats in found:
+                values = [worker_id, str(stats.index), stats.uuid or ""]
+                for gauge, (_, _, field) in zip(gauges, _GPU_GAUGES, strict=True):
+                    value = getattr(stats, field)
+                    if value is not None:
+                        gauge.add_metric(values, value)
+        yield from gauges
+
+
 class _ProjectCollector(Collector):
     """Each project's figures, as ``gpulayer usage`` shows them to ``viewer``:
     collected per request, since who asks decides which projects appear."""
@@ -90,6 +127,7 @@ class Metrics:
         self.plane = plane
         self.registry = CollectorRegistry()
         self.registry.register(_PlaneCollector(plane))
+        self.registry.register(_GpuCollector(plane))
         self.dispatch = Histogram(
             "gpulayer_dispatch_seconds",
             "From placement to the worker receiving the task",

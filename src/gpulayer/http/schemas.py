@@ -8,7 +8,7 @@ import msgspec
 
 from .. import defaults
 from ..access import USER_PATTERN
-from ..jobs import JobInfo, LogLine, WorkerInfo
+from ..jobs import MAX_TELEMETRY_GPUS, GpuStats, JobInfo, LogLine, WorkerInfo
 from ..projects import MAX_QUOTA, PROJECT_PATTERN
 from ..spec import JobSpec
 
@@ -51,6 +51,8 @@ class RegisterRequest(msgspec.Struct, forbid_unknown_fields=True):
 class HeartbeatRequest(msgspec.Struct, forbid_unknown_fields=True):
     running: list[tuple[str, int]] = []
     stopping: bool = False  # the worker is stopping: place nothing more on it
+    # Its GPUs' latest figures (see worker/telemetry.py); left out when it has none.
+    gpus: Annotated[list[GpuStats], msgspec.Meta(max_length=MAX_TELEMETRY_GPUS)] = []
 
 
 class LogBatch(msgspec.Struct, forbid_unknown_fields=True):

@@ -12,7 +12,7 @@ import itertools
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
@@ -22,6 +22,7 @@ from ..ids import new_id
 from ..jobs import (
     WORKER_STOPPED,
     CancelTask,
+    GpuStats,
     Instruction,
     LogLine,
     Rendezvous,
@@ -34,7 +35,7 @@ from ..jobs import (
 from ..signals import Signal, Unsubscribe, wait_on
 from .blobs import BlobReaders
 from .core import log, refuse_unsafe_outputs
-from .state import Delivery, LiveWorker, Running, failures, never_taken
+from .state import GPU_HISTORY_S, Delivery, LiveWorker, Running, failures, never_taken
 
 
 class Fleet(BlobReaders):
@@ -180,15 +181,36 @@ class Fleet(BlobReaders):
                 worker.wake.fire()
         return info
 
-    def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
+    def heartbeat(
+        self, worker_id: str, *, stopping: bool = False, gpus: Sequence[GpuStats] = ()
+    ) -> None:
         """A worker is alive (any request from it counts as one too). A
-        ``stopping`` one gets no more work: its long poll ends."""
+        ``stopping`` one gets no more work: its long poll ends. ``gpus``: its
+        GPUs' latest figures, kept an hour (see state.GpuHistory)."""
         with self._lock:
             worker = self._live(worker_id)
             worker.last_seen = self._clock()
+            worker.record_gpus(gpus, worker.last_seen)
             if stopping:
                 worker.closed = True
                 worker.wake.fire()
+
+    def gpu_stats(self) -> dict[str, list[GpuStats]]:
+        """Each live worker's GPUs' latest figures (fresh ones only), by worker id."""
+        with self._lock:
+            now = self._clock()
+            return {w.info.id: w.gpu_stats(now) for w in self._workers.values() if w.gpus}
+
+    def gpu_history(self, worker_id: str, since: float | None = None) -> dict[int, list[GpuStats]]:
+        """A live worker's GPUs' figures from ``since`` (default: an hour
+        ago) on, oldest first, by GPU index; ``{}`` for a worker not here."""
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            if worker is None:
+                return {}
+            start = self._clock() - GPU_HISTORY_S if since is None else since
+            kept = {index: h.copy() for index, h in sorted(worker.gpus.items())}
+        return {index: h.samples(start) for index, h in kept.items()}
 
     def reap(
         self, timeout: float, on_refused: Callable[[str, StoreError], None] | None = None

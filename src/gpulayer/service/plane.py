@@ -558,11 +558,15 @@ class ControlPlane(Fleet, Recovery, ProjectAdmin, Arrays, Dependencies):
         with self._lock:
             live = {w.info.id: w for w in self._workers.values()}
             running = {w.info.id: sorted(w.running) for w in live.values()}
+            now = self._clock()
+            gpu_stats = {w.info.id: w.gpu_stats(now) for w in live.values()}
             if not sees_all(viewer):
                 for worker_id, ids in running.items():
                     running[worker_id] = [j for j in ids if self._visible_here(viewer, j)]
         found = self.store.list_workers()
         for info in found:
+            # Only memory holds GPU figures: never what a registration stored.
+            info.gpu_stats = gpu_stats.get(info.id, [])
             worker = live.get(info.id)
             if worker is not None:  # what only memory holds: its tasks, its last word
                 info.running = running[info.id]

@@ -8,11 +8,23 @@ their free slots, and the waiters on each job.
 
 from __future__ import annotations
 
+import math
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..jobs import Instruction, JobInfo, TaskInfo, TaskResult, WorkerInfo
+import msgspec
+
+from ..jobs import (
+    MAX_TELEMETRY_GPUS,
+    GpuStats,
+    Instruction,
+    JobInfo,
+    TaskInfo,
+    TaskResult,
+    WorkerInfo,
+)
 from ..projects import DEFAULT_PROJECT
 from ..scheduler import Assignment, Capacity, Request
 from ..signals import Signal
@@ -161,6 +173,86 @@ class ListedBlobs:
             self.held -= len(dropped)
 
 
+# A GPU's figures are kept for the last hour, for the dashboard's charts: at
+# most one every GPU_HISTORY_STEP_S (the latest of those that came within
+# that step of the first), in a ring of 800 entries of five 8-byte numbers: 32 KB for each GPU, however often
+# its worker sends. A worker's latest figures older than GPU_STATS_FRESH_S
+# (its sampler stopped, say) are no longer shown as its GPUs' now.
+GPU_HISTORY_S = 3600.0
+GPU_HISTORY_STEP_S = 4.5
+GPU_STATS_FRESH_S = 60.0
+_HISTORY_LEN = 800  # GPU_HISTORY_S / GPU_HISTORY_STEP_S
+# With the time, in this order (the ring's columns after it).
+_KEPT = ("memory_used", "utilization", "temperature", "power")
+
+
+class GpuHistory:
+    """One GPU's figures: the latest as its worker sent them, and a ring of
+    the last hour's (time and each of ``_KEPT``; NaN where not reported)."""
+
+    def __init__(self) -> None:
+        self.latest: GpuStats | None = None
+        self._columns = [array("d", [math.nan]) * _HISTORY_LEN for _ in range(1 + len(_KEPT))]
+        self._next = 0  # the entry the next one goes in
+        self._count = 0
+        self._opened = -math.inf  # when the last entry's step began
+
+    def add(self, stats: GpuStats) -> None:
+        """Keep ``stats``, stamped (its ``time``) by the caller."""
+        if 0 <= stats.time - self._opened < GPU_HISTORY_STEP_S:
+            slot = (self._next - 1) % _HISTORY_LEN  # within the last entry's step: in its place
+        else:
+            slot, self._next = self._next, (self._next + 1) % _HISTORY_LEN
+            self._count = min(self._count + 1, _HISTORY_LEN)
+            self._opened = stats.time
+        self._columns[0][slot] = stats.time
+        for column, name in zip(self._columns[1:], _KEPT, strict=True):
+            value = getattr(stats, name)
+            column[slot] = math.nan if value is None else value
+        self.latest = stats
+
+    def copy(self) -> GpuHistory:
+        """A copy to read outside the lock (a few kilobytes copied)."""
+        other = GpuHistory.__new__(GpuHistory)
+        other.latest, other._next, other._count = self.latest, self._next, self._count
+        other._opened = self._opened
+        other._columns = [array("d", column) for column in self._columns]
+        return other
+
+    def samples(self, since: float) -> list[GpuStats]:
+        """Those kept from ``since`` on, oldest first (uuid, name and total
+        memory as the latest has them)."""
+        latest = self.latest
+        if latest is None:
+            return []
+        times, used, *floats = self._columns
+        found = []
+        for back in range(self._count, 0, -1):
+            slot = (self._next - back) % _HISTORY_LEN
+            if times[slot] < since:
+                continue
+            utilization, temperature, power = (_figure(column[slot]) for column in floats)
+            memory = used[slot]
+            found.append(
+                GpuStats(
+                    index=latest.index,
+                    uuid=latest.uuid,
+                    name=latest.name,
+                    utilization=utilization,
+                    memory_used=None if math.isnan(memory) else int(memory),
+                    memory_total=latest.memory_total,
+                    temperature=temperature,
+                    power=power,
+                    time=times[slot],
+                )
+            )
+        return found
+
+
+def _figure(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
 @dataclass
 class LiveWorker:
     info: WorkerInfo
@@ -186,8 +278,30 @@ class LiveWorker:
     # poll says it did not get it (a reply lost on the way).
     seq: int = 0
     unacked: deque[tuple[int, Instruction]] = field(default_factory=deque)
+    # Its GPUs' figures, by GPU index: only of GPUs it offers, MAX_TELEMETRY_GPUS at most.
+    gpus: dict[int, GpuHistory] = field(default_factory=dict)
 
     _capacity: Capacity | None = None  # cached until its free slots change
+
+    def record_gpus(self, figures: Sequence[GpuStats], now: float) -> None:
+        """Keep a heartbeat's GPU figures, stamped ``now``; those of a GPU it
+        does not offer are not kept."""
+        if not figures:
+            return
+        offered = {g for g in self.info.slot_gpus if g is not None}
+        for stats in figures:
+            history = self.gpus.get(stats.index)
+            if history is None:
+                if stats.index not in offered or len(self.gpus) >= MAX_TELEMETRY_GPUS:
+                    continue
+                history = self.gpus[stats.index] = GpuHistory()
+            history.add(msgspec.structs.replace(stats, time=now))
+
+    def gpu_stats(self, now: float) -> list[GpuStats]:
+        """Its GPUs' latest figures, by index; those not fresh left out."""
+        fresh = now - GPU_STATS_FRESH_S
+        found = [h.latest for _, h in sorted(self.gpus.items())]
+        return [s for s in found if s is not None and s.time >= fresh]
 
     def capacity(self) -> Capacity:
         if self._capacity is None or self._capacity.free != self.free:

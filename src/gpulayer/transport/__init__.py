@@ -16,6 +16,7 @@ from ..artifacts import ArtifactStore
 from ..errors import GPUlayerError
 from ..jobs import (
     STATES,
+    GpuStats,
     Instruction,
     JobInfo,
     LogChunk,
@@ -158,8 +159,11 @@ class Transport(abc.ABC):
         ended what that one left running)."""
 
     @abc.abstractmethod
-    def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
-        """The worker is alive; a ``stopping`` one takes no more work."""
+    def heartbeat(
+        self, worker_id: str, *, stopping: bool = False, gpus: Sequence[GpuStats] = ()
+    ) -> None:
+        """The worker is alive; a ``stopping`` one takes no more work.
+        ``gpus``: its GPUs' latest figures (see worker/telemetry.py)."""
 
     @abc.abstractmethod
     def unregister_worker(

@@ -46,7 +46,16 @@ from ..errors import (
 )
 from ..http.schemas import TokenInfo
 from ..ids import new_id
-from ..jobs import Instruction, JobInfo, LogChunk, LogLine, TaskResult, TaskStarted, WorkerInfo
+from ..jobs import (
+    GpuStats,
+    Instruction,
+    JobInfo,
+    LogChunk,
+    LogLine,
+    TaskResult,
+    TaskStarted,
+    WorkerInfo,
+)
 from ..projects import ProjectInfo, ProjectNotFound, ProjectUsage, check_project_name
 from ..spec import JobSpec
 from . import Transport
@@ -200,6 +209,7 @@ class HttpTransport(Transport):
         self._idle_lock = threading.Lock()
         self._received = _Received()
         self._no_wait_also = False  # the server predates POST /api/v1/jobs/wait
+        self._no_gpu_stats = False  # the server predates GPU figures in heartbeats
 
     def __repr__(self) -> str:
         return f"HttpTransport({self.url!r})"  # never the token
@@ -597,12 +607,29 @@ class HttpTransport(Transport):
     def generation(self) -> str | None:
         return self._received.generation
 
-    def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
+    def heartbeat(
+        self, worker_id: str, *, stopping: bool = False, gpus: Sequence[GpuStats] = ()
+    ) -> None:
         # Retried: the server may have closed an idle keep-alive connection.
         body: dict[str, object] = {"running": []}
         if stopping:
             body["stopping"] = True
-        self._post(f"/api/v1/workers/{_q(worker_id)}/heartbeat", body)
+        if gpus and not self._no_gpu_stats:  # only then: a server from before them takes the rest
+            body["gpus"] = list(gpus)
+        path = f"/api/v1/workers/{_q(worker_id)}/heartbeat"
+        try:
+            self._post(path, body)
+        except TransportError as exc:
+            if "gpus" not in body or exc.status != 422:
+                raise
+            # Figures refused must not cost the worker its place: the beat goes without.
+            if "unknown field `gpus`" in str(exc):  # a server from before them
+                self._no_gpu_stats = True
+                log.info("the server at %s takes no GPU figures: none are sent", self.url)
+            else:
+                log.warning("the server refused this worker's GPU figures: %s", exc)
+            del body["gpus"]
+            self._post(path, body)
 
     def acquire(self, worker_id: str, timeout: float) -> list[Instruction]:
         timeout = min(timeout, 60.0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from ..artifacts import ArtifactStore
@@ -11,6 +11,7 @@ from ..errors import ArtifactError, ServerUnreachable, StoreError
 from ..jobs import (
     WORKER_DIED,
     WORKER_STOPPED,
+    GpuStats,
     Instruction,
     JobInfo,
     LogChunk,
@@ -96,8 +97,10 @@ class InProcessTransport(Transport):
     ) -> WorkerInfo:
         return self.plane.register_worker(info, running, adopted=adopted)
 
-    def heartbeat(self, worker_id: str, *, stopping: bool = False) -> None:
-        self.plane.heartbeat(worker_id, stopping=stopping)
+    def heartbeat(
+        self, worker_id: str, *, stopping: bool = False, gpus: Sequence[GpuStats] = ()
+    ) -> None:
+        self.plane.heartbeat(worker_id, stopping=stopping, gpus=gpus)
 
     def unregister_worker(
         self, worker_id: str, *, died: bool = False, generation: str | None = None

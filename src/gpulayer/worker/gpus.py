@@ -2,8 +2,8 @@
 
 Detection asks, in order:
 
-1. NVIDIA through NVML (``pynvml``, used only if it happens to be installed),
-   else ``nvidia-smi`` (CSV);
+1. NVIDIA through NVML (``pynvml``, from nvidia-ml-py), else ``nvidia-smi``
+   (CSV);
 2. AMD through ``amd-smi`` (JSON), else ``rocm-smi`` (JSON).
 
 Any failure (tool missing, non-zero exit, timeout, output it cannot parse)
@@ -201,15 +201,27 @@ def _first_answer(vendor: Vendor, sources: list[tuple[str, _Source]], timeout: f
     return []
 
 
+# The module used as NVML's bindings instead of ``pynvml`` (nvidia-ml-py): for
+# tests (tests/fake_nvml.py), which give a worker process GPUs and figures
+# that way. Unset: ``pynvml``.
+NVML_MODULE_ENV = "GPULAYER_NVML_MODULE"
+
+
+def load_nvml() -> Any:
+    """NVML's Python bindings, not yet initialised; ImportError if absent."""
+    name = os.environ.get(NVML_MODULE_ENV) or "pynvml"
+    with warnings.catch_warnings():
+        # The old "pynvml" wheel warns on import that it is deprecated.
+        warnings.simplefilter("ignore")
+        return importlib.import_module(name)
+
+
 def _from_nvml(timeout: float) -> list[Gpu]:
     del timeout  # NVML is a library call, not a process
     try:
-        with warnings.catch_warnings():
-            # The old "pynvml" wheel warns on import that it is deprecated.
-            warnings.simplefilter("ignore")
-            nvml: Any = importlib.import_module("pynvml")
+        nvml = load_nvml()
     except ImportError as e:
-        raise _Unusable("pynvml is not installed") from e
+        raise _Unusable(f"cannot import NVML's bindings: {e}") from e
     try:
         nvml.nvmlInit()
     except Exception as e:  # NVMLError and friends: no driver, no library

@@ -52,6 +52,7 @@ from .logs import LogSender, in_batches
 from .outbox import Outbox
 from .process import RunAs
 from .task import TaskRun
+from .telemetry import SAMPLE_INTERVAL_S, Sampler, open_sampler
 from .warden import Warden, open_stdio
 from .warm import WarmStarts
 from .warm import from_environment as warm_starts
@@ -96,8 +97,11 @@ class Worker:
         run_as: str | None = None,
         warm: bool | None = None,
         preload: Sequence[str] | None = None,
+        telemetry: bool = True,
     ) -> None:
-        """``warm``: fork script tasks from a ready interpreter that has
+        """``telemetry``: sample its GPUs' figures and send them with its
+        heartbeats (see telemetry.py); a worker offering GPUs then heartbeats
+        even in the control plane's own process. ``warm``: fork script tasks from a ready interpreter that has
         imported ``preload`` (see warm/; None: ``GPULAYER_WARM``,
         ``GPULAYER_PRELOAD``, else on, with torch and numpy).
         ``containment``: how it keeps every process a task starts
@@ -153,6 +157,9 @@ class Worker:
         # Remote workers heartbeat; one in the control plane's own process
         # needs not (it cannot outlive it).
         self.heartbeat_interval = heartbeat_interval
+        self._telemetry = telemetry
+        self._sampler: Sampler | None = None  # once serving, where its GPUs can be read
+        self._beats: threading.Thread | None = None
         self._thread: threading.Thread | None = None
         self._spares: list[Path] = []
         # The environment every task starts from, taken once (see TaskRun).
@@ -345,13 +352,19 @@ class Worker:
             target=self._loop, name=f"gpulayer-worker-{self.info.id}", daemon=True
         )
         self._thread.start()
-        if self.heartbeat_interval:
-            threading.Thread(
+        if self._telemetry:
+            self._sampler = open_sampler(self.gpus)
+        # Embedded, its heartbeats are for its GPUs' figures only.
+        beat = self.heartbeat_interval or (SAMPLE_INTERVAL_S if self._sampler else None)
+        if beat:
+            beats = threading.Thread(
                 target=self._heartbeat_loop,
-                args=(self.heartbeat_interval,),
+                args=(beat,),
                 name=f"gpulayer-heartbeat-{self.info.id}",
                 daemon=True,
-            ).start()
+            )
+            beats.start()
+            self._beats = beats
 
     def _deliver_kept(self, ledger: Ledger, *, last_try: bool = False) -> None:
         """Deliver the results a worker process kept on disk (the server was
@@ -561,9 +574,16 @@ class Worker:
         return True
 
     def _heartbeat_loop(self, interval: float) -> None:
-        while not self._stopping.wait(interval):
+        wait = interval
+        if self._sampler is not None:
+            # Its GPUs' first figures go as soon as they are read, not an interval later.
+            self._sampler.ready.wait(interval)
+            wait = 0.0
+        while not self._stopping.wait(wait):
+            wait = interval
+            gpus = self._sampler.latest() if self._sampler is not None else []
             try:
-                self.transport.heartbeat(self.info.id)
+                self.transport.heartbeat(self.info.id, gpus=gpus)
             except (InvalidStateError, ServerUnreachable):
                 pass  # reconnecting and registering again are the acquire loop's job
             except AccessDenied as exc:  # said here too: the long poll may be open for a while
@@ -755,6 +775,10 @@ class Worker:
         with self._tasks_lock:
             all_ended = self._idle.wait_for(lambda: not self._tasks, timeout)
         self._logs.stop()
+        if self._sampler is not None:
+            self._sampler.stop()
+        if self._beats is not None:  # ends as it sees _stopping, unless a beat is on its way
+            self._beats.join(1.0)
         # Reports the server (or, embedded, the store) would not take yet: a
         # while to go, not forever (the next process on the home recovers
         # what they were about).

@@ -144,7 +144,8 @@ class Dashboard:
     async def workers(self, request: Request, session: Session) -> ASGIResponse:
         _only(request, "fragment")
         found = self.plane.list_workers(session.viewer)
-        return self._page(request, "workers.html", session, workers=found)
+        charts = views.gpu_charts(self.plane, found)  # each GPU's last hour
+        return self._page(request, "workers.html", session, workers=found, charts=charts)
 
     # ---- polls and files ----
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ...access import Viewer, sees_all
 from ...errors import GPUlayerError
-from ...jobs import STAGES, STATES, JobInfo, LogChunk
+from ...jobs import STAGES, STATES, JobInfo, LogChunk, WorkerInfo
 from ...service import ControlPlane
 from ...transport import check_job_filter, label_pairs
 from ..routing import Request
@@ -163,3 +163,28 @@ def title_of(job: JobInfo) -> str:
     words = job.spec.command or [job.spec.script or ""]
     text = " ".join(words)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+SPARK_WIDTH, SPARK_HEIGHT = 120, 24  # a GPU's utilisation chart, in SVG user units
+
+
+def gpu_charts(plane: ControlPlane, workers: list[WorkerInfo]) -> dict[str, dict[int, str]]:
+    """Each worker's GPUs' utilisation over the last hour, as the ``points``
+    of an SVG polyline (SPARK_WIDTH by SPARK_HEIGHT, time along x; numbers
+    only, nothing of the worker's text): by worker id, then GPU index."""
+    charts: dict[str, dict[int, str]] = {}
+    for worker in workers:
+        if not worker.gpu_stats:
+            continue
+        found = {}
+        for index, samples in plane.gpu_history(worker.id).items():
+            marks = [(s.time, s.utilization) for s in samples if s.utilization is not None]
+            if len(marks) < 2:
+                continue
+            start, span = marks[0][0], (marks[-1][0] - marks[0][0]) or 1.0
+            found[index] = " ".join(
+                f"{(t - start) / span * SPARK_WIDTH:.1f},{SPARK_HEIGHT - u / 100 * SPARK_HEIGHT:.1f}"
+                for t, u in marks
+            )
+        charts[worker.id] = found
+    return charts
