@@ -29,7 +29,7 @@ VIEWPORT = ViewportSize(width=1200, height=800)  # the screenshots' size too
 WAIT_MS = 30_000  # what an expectation waits at most: polls come every 3 to 5 s
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     if not Path(CHROMIUM).exists():
         pytest.fail(
@@ -78,7 +78,7 @@ class Dash:
         return self.srv.client(self.tokens[user])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def dash(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dash]:
     srv = start_server(tmp_path_factory.mktemp("dash"), slots=2)
     try:
