@@ -197,7 +197,19 @@ def test_a_workers_containment_is_listed_and_a_jobs_use_is_shown(
     cgroups = cgroups_possible()
     monkeypatch.setenv(defaults.CONTAINMENT_ENV, "auto")
     server.start_worker(tmp_path / "w", name="boxed")
-    burn = "import time\nx = b'\\x01' * (64 << 20)  # written: a bytearray's zero pages are not\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    # Its memory is counted from when it is in its task's cgroups (moved
+    # there just after it starts: cgroups.py): it allocates once it is.
+    burn = (
+        "import re, time\n"
+        "def boxed():\n"
+        "    lines = [l for l in open('/proc/self/cgroup').read().splitlines() if 'gpulayer-' in l]\n"
+        "    return all(re.search(r'/t[0-9]+$', l) for l in lines)\n"
+        "deadline = time.monotonic() + 30\n"
+        "while not boxed() and time.monotonic() < deadline: time.sleep(0.001)\n"
+        "x = b'\\x01' * (64 << 20)  # written: a bytearray's zero pages are not\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < 0.3: pass"
+    )
     with server.client() as client:
         job = client.submit(command=[sys.executable, "-c", burn])
         assert job.wait(timeout=60) == "succeeded", job.info.reason
