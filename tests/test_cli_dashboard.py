@@ -232,3 +232,37 @@ def test_a_server_takes_no_token_in_a_link(tmp_path: Path) -> None:
         assert dash.browser("admin").get("/").status == 200  # the form still signs in
     finally:
         dash.store.close()
+
+
+def test_the_overview_counts_what_other_processes_run_and_queue(
+    client: gpulayer.Client, home: Path, dashboard: Dashboard
+) -> None:
+    """No job runs in the dashboard's process, so its figures come from the
+    store, where the processes that run and queue jobs record them."""
+    running = client.submit(command=SLEEP, name="runs-elsewhere")
+    started(running)
+    with gpulayer.Client(home=home, auto_worker=False) as c:
+        waiting = c.submit(command=[PY, "-c", "pass"], name="waits")
+        try:
+            b = Browser(dashboard.base)
+            assert b.request(dashboard.link).status == 303
+            page = b.request("/").text
+            figure = {
+                name: int(value)
+                for name, value in re.findall(r'data-figure="([a-z-]+)">(\d+)<', page)
+            }
+            assert figure["queued"] == 1 and figure["busy"] == 1, figure
+            assert re.search(r'data-state="running">1<', page)
+            assert re.search(r'data-state="queued">1<', page)
+            assert "no task dispatched yet" in page  # no dispatch happens here
+            worker = running.refresh().worker
+            assert worker is not None
+            row = re.search(
+                rf"<tr>\s*<td>[^<]*<small><code>{worker}</code>.*?</tr>",
+                b.request("/workers").text,
+                re.S,
+            )
+            assert row is not None and running.id in row.group(0)  # on its worker's row
+        finally:
+            waiting.cancel()
+            running.cancel()

@@ -22,6 +22,8 @@ from playwright.sync_api import (
 )
 
 import gpulayer
+from fake_nvml import FILE_ENV, FakeGpu, FakeNvml
+from gpulayer.worker.gpus import NVML_MODULE_ENV
 from server.conftest import ServerProc, free_port
 
 CHROMIUM = os.environ.get("GPULAYER_TEST_CHROMIUM", "/usr/bin/chromium")
@@ -61,6 +63,24 @@ def start_server(root: Path, *, slots: int) -> ServerProc:
         srv.stop()
         raise
     return srv
+
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def start_gpu_worker(srv: ServerProc, root: Path, gpus: list[FakeGpu], name: str) -> None:
+    """A worker offering the GPUs of a fake NVML (tests/fake_nvml.py), which
+    it detects and samples as it would real ones, beside ``srv``'s others."""
+    figures = root / f"{name}-nvml.json"
+    FakeNvml.write(figures, gpus)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("GPULAYER_PRELOAD", "")
+        env.setenv("GPULAYER_GPU_LOCKS", str(root / f"{name}-gpu-locks"))
+        env.delenv("GPULAYER_WARM", raising=False)
+        env.setenv(NVML_MODULE_ENV, "fake_nvml")
+        env.setenv(FILE_ENV, str(figures))
+        env.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+        srv.start_worker(root / f"{name}-home", gpus="all", name=name)
 
 
 @dataclass
@@ -107,9 +127,6 @@ class Watch:
         self.allowed.append(text)
 
     def _console(self, message: ConsoleMessage) -> None:
-        # The pages name no icon, so Chromium asks for /favicon.ico, a 404.
-        if message.location.get("url", "").endswith("/favicon.ico"):
-            return
         if message.type == "error" and not any(a in message.text for a in self.allowed):
             self.errors.append(f"console error: {message.text} at {message.location}")
 

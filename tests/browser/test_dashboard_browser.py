@@ -6,11 +6,8 @@ seeing nothing of another's jobs; and the screenshots docs/dashboard.md
 shows. Every page's script errors, console errors and dialogs fail the test
 (the ``context`` fixture).
 
-A worker's GPUs as the workers page draws them (issue 21, item 5) need a
-worker on a fake NVML (tests/fake_nvml.py): start it as ``start_server``
-does, with the fake's environment set around ``start_worker(...,
-gpus="all")``, then expect ``table.workers`` to show its GPU names and
-``utilization`` figures as the fake reports them.
+A worker's GPUs come from a fake NVML (tests/fake_nvml.py) that its
+process loads in place of pynvml: it detects and samples them as real ones.
 """
 
 from __future__ import annotations
@@ -24,7 +21,17 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from browser.conftest import WAIT_MS, Dash, Watch, new_context, python_job, sign_in, start_server
+from browser.conftest import (
+    WAIT_MS,
+    Dash,
+    Watch,
+    new_context,
+    python_job,
+    sign_in,
+    start_gpu_worker,
+    start_server,
+)
+from fake_nvml import FakeGpu
 
 IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 
@@ -72,7 +79,7 @@ def test_sign_in_with_a_user_token_and_the_cookie_is_out_of_scripts_reach(
     expect(page.get_by_role("link", name="Jobs")).to_be_visible()
 
     [cookie] = page.context.cookies()
-    assert cookie["name"] == "gpulayer_session"
+    assert cookie["name"] == f"gpulayer_session_{dash.srv.port}"  # one per port
     assert cookie["httpOnly"] is True
     assert cookie["sameSite"] == "Strict"
     assert cookie["secure"] is False  # plain HTTP here; Secure over TLS (tests/server)
@@ -211,6 +218,57 @@ def test_another_user_sees_no_trace_of_a_job(
             job.cancel()
 
 
+# ---- a worker's GPUs ----
+
+HOSTILE_GPU = "<img src=x onerror=alert(1)>"  # a GPU name is the worker's word
+
+
+def test_a_workers_gpus_with_their_figures_and_a_gpu_job_s_dispatch(
+    browser: Browser, watch: Watch, tmp_path: Path
+) -> None:
+    srv = start_server(tmp_path, slots=1)
+    try:
+        start_gpu_worker(
+            srv,
+            tmp_path,
+            [
+                FakeGpu(name=HOSTILE_GPU, uuid="GPU-fa4e0000", utilization=42),
+                FakeGpu(uuid="GPU-fa4e0001", utilization=87, temperature=71, power_mw=312_000),
+            ],
+            name="gpu-1",
+        )
+        token = srv.token("user", "ada")
+        with srv.client(token) as ada:
+            job = ada.submit(command=python_job("print('on a GPU')"), gpus=1, name="gpu-job")
+            assert job.wait(timeout=60) == "succeeded"
+        context = new_context(browser, srv.url, watch)
+        try:
+            page = context.new_page()
+            sign_in(page, token)
+            # Placed and dispatched by the server: its latency is on the overview.
+            expect(page.locator("[data-figure=dispatch]")).to_have_text(re.compile(r"\d ms$"))
+            expect(page.locator("[data-figure=gpus-held]")).to_have_text("0")
+            expect(page.locator("main")).to_contain_text("of 2 GPUs held")
+
+            page.goto("/workers")
+            row = page.locator("table.workers tbody tr", has_text="gpu-1")
+            expect(row).to_contain_text(f"0: {HOSTILE_GPU}")  # as text, never a tag
+            figures = row.locator("td").nth(4)
+            expect(figures).to_contain_text("0: 42% 20.0/80.0 GiB 55 °C 250 W")
+            expect(figures).to_contain_text("1: 87% 20.0/80.0 GiB 71 °C 312 W")
+            # A sample every 5 s: two make each GPU's line of the last hour.
+            expect(figures.locator("svg.spark polyline")).to_have_count(2, timeout=WAIT_MS)
+            assert page.locator("img[src=x]").count() == 0
+            cpu = page.locator("table.workers tbody tr", has_text="cpu-1")
+            expect(cpu.locator("td").nth(3)).to_have_text("none")
+        finally:
+            context.close()
+    finally:
+        srv.stop()
+    assert not watch.errors, "\n".join(watch.errors)
+    assert not watch.dialogs, watch.dialogs
+
+
 # ---- screenshots for docs/dashboard.md ----
 
 
@@ -219,6 +277,11 @@ def showcase(tmp_path: Path) -> Iterator[Dash]:
     """A server of its own, so the pictures show these jobs and only these."""
     srv = start_server(tmp_path, slots=2)
     try:
+        gpus = [
+            FakeGpu(name="NVIDIA H100 80GB HBM3", uuid=f"GPU-5c0e000{i}", utilization=u)
+            for i, u in enumerate((91, 64))
+        ]
+        start_gpu_worker(srv, tmp_path, gpus, name="gpu-1")
         yield Dash(srv, {"ada": srv.token("user", "ada")})
     finally:
         srv.stop()

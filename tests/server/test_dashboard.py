@@ -50,11 +50,13 @@ async def _call(
     body: bytes,
     headers: Sequence[tuple[str, str]],
     scheme: str,
+    port: int,
 ) -> Reply:
     scope = {
         "type": "http",
         "method": method,
         "scheme": scheme,
+        "server": ("127.0.0.1", port),
         "path": path,
         "raw_path": path.encode(),
         "query_string": query.encode(),
@@ -78,12 +80,25 @@ async def _call(
     return Reply(start["status"], got, b"".join(m.get("body", b"") for m in sent[1:]))
 
 
+PORT = 8080  # what the in-process server listens on, as uvicorn's scope says
+
+
 class Browser:
-    """One browser on a dashboard: it keeps the session cookie it is given."""
+    """One browser on a dashboard: it keeps the cookies it is given, by name,
+    and sends every one back, as a browser does to any port of one host."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        self.cookie: str | None = None
+        self.jar: dict[str, str] = {}
+
+    @property
+    def cookie(self) -> str | None:
+        """The session cookie's value on the usual port (plain HTTP)."""
+        return self.jar.get(f"{COOKIE}_{PORT}")
+
+    @cookie.setter
+    def cookie(self, value: str) -> None:
+        self.jar[f"{COOKIE}_{PORT}"] = value
 
     def get(self, path: str, query: str = "", **kw: Any) -> Reply:
         return self.request("GET", path, query, **kw)
@@ -100,17 +115,21 @@ class Browser:
         body: bytes = b"",
         headers: Sequence[tuple[str, str]] = (),
         scheme: str = "http",
+        port: int = PORT,
     ) -> Reply:
         sent = list(headers)
         if method == "POST" and not any(k == "content-type" for k, _ in sent):
             sent.append(("content-type", "application/x-www-form-urlencoded"))
-        if self.cookie is not None:
-            sent.append(("cookie", f"{COOKIE}={self.cookie}"))
-        reply = asyncio.run(_call(self.app, method, path, query, body, sent, scheme))
-        cookie = reply.headers.get("set-cookie", "")
-        if cookie.startswith(f"{COOKIE}="):
-            value = cookie.split(";")[0].partition("=")[2]
-            self.cookie = value or None
+        if self.jar:
+            sent.append(("cookie", "; ".join(f"{k}={v}" for k, v in self.jar.items())))
+        reply = asyncio.run(_call(self.app, method, path, query, body, sent, scheme, port))
+        cookie = reply.headers.get("set-cookie")
+        if cookie is not None:
+            name, _, value = cookie.split(";")[0].partition("=")
+            if value:
+                self.jar[name] = value
+            else:
+                self.jar.pop(name, None)
         return reply
 
     def sign_in(self, token: str) -> Reply:
@@ -184,7 +203,35 @@ def test_signin_with_a_good_token_sets_a_strict_session_cookie(dash: Dash) -> No
 def test_over_tls_the_cookie_is_secure(dash: Dash) -> None:
     b = dash.browser()
     reply = b.post("/signin", {"token": dash.tokens["ada"]}, scheme="https")
-    assert "Secure" in _flags(reply.headers["set-cookie"])
+    cookie = reply.headers["set-cookie"]
+    assert "Secure" in _flags(cookie)
+    # __Host-: the browser keeps it only from a secure page, for this host only.
+    assert cookie.startswith(f"__Host-{COOKIE}_{PORT}=")
+    assert b.get("/", scheme="https").status == 200
+    assert b.get("/").location == "/signin"  # not sent back by name over plain HTTP
+
+
+def test_two_dashboards_on_one_host_keep_their_own_sessions(tmp_path: Path) -> None:
+    """A browser sends a host's cookies to each of its ports: a server's
+    dashboard and another on the same machine must not overwrite each
+    other's session, nor take one for the other's."""
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    first, second = Dash(tmp_path / "one"), Dash(tmp_path / "two")
+    try:
+        b = first.browser()
+        b.sign_in(first.tokens["ada"])  # on PORT
+        b.app = second.app
+        assert b.get("/", port=PORT + 1).location == "/signin"  # the first's is not taken
+        reply = b.post("/signin", {"token": second.tokens["bob"]}, port=PORT + 1)
+        assert reply.headers["set-cookie"].startswith(f"{COOKIE}_{PORT + 1}=")
+        assert "bob" in b.get("/", port=PORT + 1).text
+        b.app = first.app
+        page = b.get("/")
+        assert page.status == 200 and "ada" in page.text  # still signed in there
+    finally:
+        first.store.close()
+        second.store.close()
 
 
 @pytest.mark.parametrize(
@@ -442,7 +489,10 @@ def test_static_assets_come_with_cache_headers(dash: Dash) -> None:
     js = b.get("/static/dashboard.js")
     assert js.headers["content-type"].startswith("text/javascript")
     assert b"visibilityState" in js.body
-    assert "/static/dashboard.js?v=" in b.get("/signin").text
+    icon = b.get("/static/favicon.svg")
+    assert icon.headers["content-type"] == "image/svg+xml" and b"<script" not in icon.body
+    signin = b.get("/signin").text
+    assert "/static/dashboard.js?v=" in signin and "/static/favicon.svg?v=" in signin
 
 
 # ---- the jobs page ----
@@ -543,7 +593,8 @@ def test_a_real_server_serves_the_dashboard(server: ServerProc) -> None:
         reply.read()
         assert reply.status == 303
         cookie = reply.getheader("set-cookie") or ""
-        assert cookie.startswith(f"{COOKIE}=") and "HttpOnly" in cookie
+        # The port it listens on names the cookie (uvicorn's scope says it).
+        assert cookie.startswith(f"{COOKIE}_{server.port}=") and "HttpOnly" in cookie
         conn.request("GET", "/jobs", headers={"cookie": cookie.split(";")[0]})
         page = conn.getresponse()
         assert page.status == 200

@@ -113,7 +113,7 @@ def _serve(embedded: Embedded, sock: socket.socket) -> None:
     api = Api(embedded.plane, embedded.artifacts, auth_enabled=True)
     # The pages alone: no API, so no job is submitted here. The secret's
     # sha256 only is kept, never the secret.
-    app = App(routes(api, sign_in_once=auth.digest(secret)))
+    app = App(routes(api, sign_in_once=auth.digest(secret), detached=True))
 
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -122,6 +125,16 @@ class _ProjectCollector(Collector):
         yield from (held, jobs, hours, fair, quota)
 
 
+RECENT_DISPATCHES = 1000
+
+
+@dataclass(frozen=True)
+class DispatchFigures:
+    count: int  # dispatches these figures are of
+    median: float  # seconds, from placement to the worker receiving the task
+    p99: float
+
+
 class Metrics:
     def __init__(self, plane: ControlPlane) -> None:
         self.plane = plane
@@ -134,11 +147,27 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=self.registry,
         )
+        # The last dispatches' latencies, for the dashboard's median and 99th
+        # percentile (the histogram's buckets only bound them).
+        self._recent: deque[float] = deque(maxlen=RECENT_DISPATCHES)
 
     def observe_dispatch(self, items: list[Instruction], now: float) -> None:
         for item in items:
             if isinstance(item, RunTask) and item.placed:
-                self.dispatch.observe(max(0.0, now - item.placed))
+                seconds = max(0.0, now - item.placed)
+                self.dispatch.observe(seconds)
+                self._recent.append(seconds)
+
+    def recent_dispatch(self) -> DispatchFigures | None:
+        """The median and 99th percentile of the last dispatches' latencies
+        (at most RECENT_DISPATCHES), or None before the first."""
+        found = list(self._recent)
+        if not found:
+            return None
+        if len(found) == 1:
+            return DispatchFigures(len(found), found[0], found[0])
+        cuts = statistics.quantiles(found, n=100, method="inclusive")
+        return DispatchFigures(len(found), statistics.median(found), cuts[98])
 
     def render(self, viewer: Viewer) -> tuple[bytes, str]:
         """The text for ``viewer``: the fleet's figures, then the projects it may see."""

@@ -19,11 +19,14 @@ if TYPE_CHECKING:
     from ..app import Api
 
 
-def routes(api: Api, *, sign_in_once: str | None = None) -> list[tuple[str, str, Handler]]:
+def routes(
+    api: Api, *, sign_in_once: str | None = None, detached: bool = False
+) -> list[tuple[str, str, Handler]]:
     """The dashboard's routes, for the app's table. ``sign_in_once``: the
     sha256 of a one-time sign-in secret (`gpulayer dashboard`), in place of
-    tokens."""
-    d = Dashboard(api, sign_in_once=sign_in_once)
+    tokens. ``detached``: no job runs in this process (an embedded home's
+    dashboard), so what runs and waits is read from the store."""
+    d = Dashboard(api, sign_in_once=sign_in_once, detached=detached)
     page = d.handler
     poll = functools.partial(d.handler, poll=True)
     post = functools.partial(d.handler, post=True)

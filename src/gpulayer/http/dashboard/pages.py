@@ -44,9 +44,14 @@ Page = Callable[[Request, Session], Awaitable[ASGIResponse]]
 
 
 class Dashboard:
-    def __init__(self, api: Api, *, sign_in_once: str | None = None) -> None:
+    def __init__(
+        self, api: Api, *, sign_in_once: str | None = None, detached: bool = False
+    ) -> None:
         self.api = api
         self.plane = api.plane
+        # ``detached``: this process runs no job (an embedded home's
+        # dashboard): what runs and waits is read from the store.
+        self.detached = detached
         # Without auth, every request is the server's local user's (as in the API).
         # `gpulayer dashboard` signs in with a one-time secret instead of a token
         # (``sign_in_once``, its sha256: cli/dashboard.py); a server does not.
@@ -105,7 +110,12 @@ class Dashboard:
 
     async def overview(self, request: Request, session: Session) -> ASGIResponse:
         _only(request, "fragment")
-        figures = views.overview(self.plane, session.viewer)
+        figures = views.overview(
+            self.plane,
+            session.viewer,
+            detached=self.detached,
+            dispatch=self.api.metrics.recent_dispatch(),
+        )
         return self._page(request, "overview.html", session, **figures)
 
     async def jobs(self, request: Request, session: Session) -> ASGIResponse:
@@ -143,9 +153,19 @@ class Dashboard:
 
     async def workers(self, request: Request, session: Session) -> ASGIResponse:
         _only(request, "fragment")
-        found = self.plane.list_workers(session.viewer)
+        if self.detached:
+            found = views.store_workers(self.plane, session.viewer)
+        else:
+            found = self.plane.list_workers(session.viewer)
         charts = views.gpu_charts(self.plane, found)  # each GPU's last hour
-        return self._page(request, "workers.html", session, workers=found, charts=charts)
+        return self._page(
+            request,
+            "workers.html",
+            session,
+            workers=found,
+            charts=charts,
+            gpu_figures=views.gpu_figures,
+        )
 
     # ---- polls and files ----
 

@@ -29,7 +29,11 @@ HEADERS = {
     "referrer-policy": "same-origin",
     "cache-control": "no-store",
 }
-_TYPES = {".css": "text/css; charset=utf-8", ".js": "text/javascript; charset=utf-8"}
+_TYPES = {
+    ".css": "text/css; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".svg": "image/svg+xml",
+}
 STATIC_CACHE = "public, max-age=3600"  # assets change with the package; an hour is short
 
 
@@ -57,6 +61,8 @@ def _ago(ts: float | None) -> str:
 def _seconds(value: float | None) -> str:
     if value is None:
         return "-"
+    if value < 0.01:  # a dispatch takes well under a millisecond
+        return f"{value * 1000:.2f} ms"
     return f"{value * 1000:.0f} ms" if value < 1 else _span(value)
 
 

@@ -1,9 +1,14 @@
 """Sign-in sessions of the dashboard, and the checks every form post passes.
 
 A browser signs in once with a token (user or admin) and holds a random
-session id in the ``gpulayer_session`` cookie: ``HttpOnly`` (no script
-reads it), ``SameSite=Strict`` (no other site's page sends it),
-``Path=/``, and ``Secure`` when the request came over TLS. The session
+session id in a cookie, ``gpulayer_session_<port>``: ``HttpOnly`` (no
+script reads it), ``SameSite=Strict`` (no other site's page sends it),
+``Path=/``, and ``Secure`` when the request came over TLS, its name then
+prefixed ``__Host-`` (which the browser keeps only from a secure page,
+for this host alone). The port is in the name because a browser's
+cookies are per host, not per port: two dashboards on one machine (a
+server and ``gpulayer dashboard``, say) would otherwise each overwrite
+the other's session. The session
 itself stays in the server's memory: the sha256 of its token (never the
 token), a CSRF token, and when it ends. Each request looks the token up
 again (two indexed reads), so a revoked or expired token ends its
@@ -33,7 +38,7 @@ from ...store import Store
 from .. import auth
 from ..routing import Request
 
-COOKIE = "gpulayer_session"
+COOKIE = "gpulayer_session"  # the name's start; see cookie_name
 SESSION_S = 12 * 3600.0  # a session ends this long after its sign-in, at the latest
 MAX_SESSIONS = 10_000  # past this many, the oldest ends (memory stays bounded)
 
@@ -132,7 +137,7 @@ class Sessions:
         """The request's valid session (the local one without auth), or None."""
         if self._local is not None:
             return self._local
-        sid = cookie_value(request, COOKIE)
+        sid = cookie_value(request, cookie_name(request))
         session = self._by_id.get(sid) if sid else None
         if session is None:
             return None
@@ -178,6 +183,15 @@ def cookie_value(request: Request, name: str) -> str | None:
     return None if morsel is None else morsel.value
 
 
+def cookie_name(request: Request) -> str:
+    """The session cookie's name on the server that took ``request``: the
+    port it listens on (not what the Host header says) in it."""
+    server = request.scope.get("server")
+    port = server[1] if isinstance(server, tuple | list) and len(server) == 2 else None
+    name = f"{COOKIE}_{port}" if isinstance(port, int) else COOKIE
+    return f"__Host-{name}" if request.scope.get("scheme") == "https" else name
+
+
 def set_cookie(request: Request, session: Session) -> str:
     """The ``Set-Cookie`` value that holds ``session`` in the browser."""
     age = max(0, int(session.expires - time.time()))
@@ -190,7 +204,7 @@ def clear_cookie(request: Request) -> str:
 
 def _cookie(request: Request, value: str, max_age: int) -> str:
     secure = "; Secure" if request.scope.get("scheme") == "https" else ""
-    return f"{COOKIE}={value}; Max-Age={max_age}; Path=/; HttpOnly; SameSite=Strict{secure}"
+    return f"{cookie_name(request)}={value}; Max-Age={max_age}; Path=/; HttpOnly; SameSite=Strict{secure}"
 
 
 def check_origin(request: Request) -> None:

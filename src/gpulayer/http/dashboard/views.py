@@ -11,11 +11,15 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from ...access import Viewer, sees_all
 from ...errors import GPUlayerError
-from ...jobs import STAGES, STATES, JobInfo, LogChunk, WorkerInfo
+from ...jobs import STAGES, STATES, GpuStats, JobInfo, LogChunk, WorkerInfo
+from ...projects import DEFAULT_PROJECT
 from ...service import ControlPlane
 from ...transport import check_job_filter, label_pairs
+from ..metrics import DispatchFigures
 from ..routing import Request
 from .session import Refused
 
@@ -117,7 +121,19 @@ def timeline(job: JobInfo) -> list[dict[str, Any]]:
     ]
 
 
-def overview(plane: ControlPlane, viewer: Viewer) -> dict[str, Any]:
+def overview(
+    plane: ControlPlane,
+    viewer: Viewer,
+    *,
+    detached: bool = False,
+    dispatch: DispatchFigures | None = None,
+) -> dict[str, Any]:
+    """The overview's figures. ``detached``: this process runs no job (the
+    dashboard of an embedded home), so what runs and waits is read from the
+    store, where every process on the home records it; a server's are in
+    its memory. ``dispatch``: the server's recent dispatch latencies."""
+    if detached:
+        return _overview_from_store(plane, viewer)
     snapshot = plane.snapshot()  # the server's totals, as /metrics gives any user
     workers = plane.list_workers(viewer)
     usage = plane.usage(viewer)
@@ -128,19 +144,92 @@ def overview(plane: ControlPlane, viewer: Viewer) -> dict[str, Any]:
             "running": sum(row.running for row in usage),
             "queued": sum(row.waiting for row in usage),
         }
-    gpus = sum(len({g for g in w.slot_gpus if g is not None}) for w in workers)
     return {
         "states": [(state, counts.get(state, 0)) for state in STATES],
         "all_jobs": sees_all(viewer),
         "queued": snapshot.queued,
         "workers": snapshot.workers,
         "connected": snapshot.connected_workers,
+        "busy": None,
         "slots": sum(len(w.slot_gpus) for w in workers),
         "free_slots": snapshot.free_slots,
-        "gpus": gpus,
+        "gpus": _gpus_of(workers),
         "gpus_held": sum(row.gpus_held for row in usage),
         "usage": usage,
+        "dispatch": dispatch,
     }
+
+
+MAX_LIVE = 10_000  # running (and queued) jobs an embedded home's overview reads
+
+
+def _overview_from_store(plane: ControlPlane, viewer: Viewer) -> dict[str, Any]:
+    counts = plane.store.count_by_state()
+    running = plane.list_jobs(states=["running"], limit=MAX_LIVE, viewer=viewer)
+    queued = plane.list_jobs(states=["queued"], limit=MAX_LIVE, viewer=viewer)
+    workers = store_workers(plane, viewer, running)
+    held: dict[str, list[int]] = {}  # project -> [running, waiting, gpus, slots]
+    for job in running:
+        counted = held.setdefault(job.spec.project or DEFAULT_PROJECT, [0, 0, 0, 0])
+        counted[0] += 1
+        if job.spec.gpus:  # a GPU job's slots count as GPUs, as quotas count them
+            counted[2] += job.spec.gpus * job.spec.nodes
+        else:
+            counted[3] += sum(len(slots) for _, slots in _placed(job))
+    for job in queued:
+        held.setdefault(job.spec.project or DEFAULT_PROJECT, [0, 0, 0, 0])[1] += 1
+    usage = []
+    for row in plane.usage(viewer):
+        n = held.get(row.project, [0, 0, 0, 0])
+        usage.append(
+            msgspec.structs.replace(
+                row, running=n[0], waiting=n[1], gpus_held=n[2], slots_held=n[3]
+            )
+        )
+    slots = sum(len(w.slot_gpus) for w in workers)
+    return {
+        "states": [(state, counts.get(state, 0)) for state in STATES],
+        "all_jobs": True,
+        "queued": counts.get("queued", 0),
+        "workers": len(workers),
+        "connected": None,
+        "busy": sum(1 for w in workers if w.running),
+        "slots": slots,
+        "free_slots": max(0, slots - sum(len(s) for j in running for _, s in _placed(j))),
+        "gpus": _gpus_of(workers),
+        "gpus_held": sum(row.gpus_held for row in usage),
+        "usage": usage,
+        "dispatch": None,
+    }
+
+
+def store_workers(
+    plane: ControlPlane, viewer: Viewer, running: list[JobInfo] | None = None
+) -> list[WorkerInfo]:
+    """The workers the store records, each with the running jobs whose
+    tasks it holds: what an embedded home's processes recorded."""
+    if running is None:
+        running = plane.list_jobs(states=["running"], limit=MAX_LIVE, viewer=viewer)
+    on: dict[str, list[str]] = {}
+    for job in running:
+        for worker_id, _ in _placed(job):
+            on.setdefault(worker_id, []).append(job.id)
+    workers = plane.list_workers(viewer)
+    for worker in workers:
+        worker.running = sorted(set(on.get(worker.id, [])))
+    return workers
+
+
+def _placed(job: JobInfo) -> list[tuple[str, list[int]]]:
+    """Each (worker, slots) a running job holds: its tasks' (a job of
+    several nodes), else its one task's."""
+    if job.tasks:
+        return [(t.worker, t.slots) for t in job.tasks]
+    return [] if job.worker is None else [(job.worker, job.slots)]
+
+
+def _gpus_of(workers: list[WorkerInfo]) -> int:
+    return sum(len({g for g in w.slot_gpus if g is not None}) for w in workers)
 
 
 def log_lines(chunk: LogChunk) -> dict[str, Any]:
@@ -163,6 +252,21 @@ def title_of(job: JobInfo) -> str:
     words = job.spec.command or [job.spec.script or ""]
     text = " ".join(words)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def gpu_figures(stats: GpuStats) -> str:
+    """A GPU's latest figures in a line: ``42% 20.0/80.0 GiB 55 °C 250 W``
+    (a figure it did not report is left out; no figure at all: ``-``)."""
+    parts = []
+    if stats.utilization is not None:
+        parts.append(f"{stats.utilization:.0f}%")
+    if stats.memory_used is not None and stats.memory_total is not None:
+        parts.append(f"{stats.memory_used / 2**30:.1f}/{stats.memory_total / 2**30:.1f} GiB")
+    if stats.temperature is not None:
+        parts.append(f"{stats.temperature:.0f} °C")
+    if stats.power is not None:
+        parts.append(f"{stats.power:.0f} W")
+    return " ".join(parts) or "-"
 
 
 SPARK_WIDTH, SPARK_HEIGHT = 120, 24  # a GPU's utilisation chart, in SVG user units
