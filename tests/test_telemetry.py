@@ -118,9 +118,8 @@ def test_sampling_goes_on_every_interval() -> None:
     [
         (nvidia(1), FakeNvml(init_error=True), "NVML did not start"),
         (nvidia(3), FakeNvml([FakeGpu()]), "no handle for every GPU"),
-        ([Gpu(0, "amd", "MI300X")], FakeNvml(), "AMD GPUs (amd-smi) are not collected"),
     ],
-    ids=["no-driver", "gpu-nvml-lacks", "amd"],
+    ids=["no-driver", "gpu-nvml-lacks"],  # AMD: tests/test_telemetry_amd.py
 )
 def test_no_mechanism_means_no_sampler_said_once(
     gpus: list[Gpu], nvml: FakeNvml, said: str, caplog: pytest.LogCaptureFixture

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import json
 import logging
 import os
@@ -213,6 +214,21 @@ def load_nvml() -> Any:
     with warnings.catch_warnings():
         # The old "pynvml" wheel warns on import that it is deprecated.
         warnings.simplefilter("ignore")
+        return importlib.import_module(name)
+
+
+# The module used as AMD SMI's bindings instead of ``amdsmi`` (ROCm's): for
+# tests (tests/fake_amdsmi.py), as NVML_MODULE_ENV. Unset: ``amdsmi``.
+AMDSMI_MODULE_ENV = "GPULAYER_AMDSMI_MODULE"
+
+
+def load_amdsmi() -> Any:
+    """AMD SMI's Python bindings, not yet initialised. Raises ImportError if
+    absent, or another error where ROCm's library is broken (amdsmi raises
+    OSError or KeyError on import when libamd_smi.so is missing or mismatched)."""
+    name = os.environ.get(AMDSMI_MODULE_ENV) or "amdsmi"
+    # It prints on import where libamd_smi.so cannot be loaded: not for our stdout.
+    with contextlib.redirect_stdout(io.StringIO()):
         return importlib.import_module(name)
 
 
