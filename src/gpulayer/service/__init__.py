@@ -8,9 +8,14 @@ transaction per step. Every wait here is a condition or an event that the step
 which ends it signals: nothing on the dispatch path sleeps or polls.
 
 The parts: ``state.py`` (the in-memory records), ``core.py`` (the shared
-steps: place, record, dispatch, release, end an attempt), ``fleet.py`` (what
-workers do), ``recovery.py`` (taking over after a crash), ``plane.py`` (what
-clients do, and the class that joins them).
+state and steps: place, record, dispatch, release, the retry timer),
+``endings.py`` (ending an attempt: the job finished or queued again, its
+waiters told), ``sharing.py`` (projects' quotas, usage and preemption's
+holds), ``dependencies.py`` and ``arrays.py`` (what holds a job back),
+``blobs.py`` (who may read what), ``fleet.py`` (what workers do),
+``recovery.py`` (taking over after a crash), ``projects.py`` (projects'
+administration), ``plane.py`` (what clients do, and the class that joins
+them).
 """
 
 from .plane import ControlPlane

@@ -34,7 +34,8 @@ from ..jobs import (
 )
 from ..signals import Signal, Unsubscribe, wait_on
 from .blobs import BlobReaders
-from .core import log, refuse_unsafe_outputs
+from .core import log
+from .endings import refuse_unsafe_outputs
 from .state import GPU_HISTORY_S, Delivery, LiveWorker, Running, failures, never_taken
 
 

@@ -29,6 +29,7 @@ from ..spec import JobSpec, parse_spec
 from ..transport import check_job_filter
 from .arrays import Arrays
 from .dependencies import Dependencies
+from .endings import Endings
 from .fleet import Fleet
 from .projects import ProjectAdmin
 from .recovery import Recovery
@@ -39,7 +40,7 @@ class _Stored(Exception):
     """A submit's id names a job stored already (its transaction is rolled back)."""
 
 
-class ControlPlane(Fleet, Recovery, ProjectAdmin, Arrays, Dependencies):
+class ControlPlane(Fleet, Recovery, ProjectAdmin, Arrays, Dependencies, Endings):
     # ---- clients -------------------------------------------------------
 
     def submit(
