@@ -149,6 +149,7 @@ def test_followers_ride_through_a_server_restart(
     gates = tmp_path / "gates"
     gates.mkdir()
     worker = server.start_worker(tmp_path / "w1")
+    worker_err = Output(worker.stderr)
     run = _cli(server, "run", "--", PY, "-c", _job_code(gates))
     run_out, run_err = Output(run.stdout), Output(run.stderr)
     job_id = run_err.wait_for("submitted").split()[2]  # "gpulayer: job ID submitted"
@@ -179,17 +180,20 @@ def test_followers_ride_through_a_server_restart(
     assert run_out.text().splitlines() == every  # each line once, in order
     assert logs_out.text().splitlines() == every
     for err in (run_err.text(), logs_err.text()):
-        assert err.count("is unavailable; retrying") == 1, err  # once, not at every try
-        assert err.count("reconnected") == 1, err
+        # Once, not at every try; or not at all, where the server was back
+        # before the client's next request found it gone.
+        assert err.count("is unavailable; retrying") == err.count("reconnected") <= 1, err
         assert "failed (500)" not in err, err
     assert "succeeded" in run_err.text()
 
+    # The job's result went back by the worker's outbox; its poll for work
+    # notices the server again at its next try, within its back-off.
+    worker_err.wait_for("waiting for it")
+    worker_err.wait_for("the server answers again")
     worker.send_signal(signal.SIGTERM)
-    assert worker.stderr is not None
-    worker_said = worker.stderr.read()
     worker.wait(timeout=30)
-    assert "Traceback" not in worker_said, worker_said
-    assert "waiting for it" in worker_said and "the server answers again" in worker_said
+    worker_err.wait_for("stopping")
+    assert not any("Traceback" in line for line in worker_err.lines), worker_err.lines
 
 
 def test_a_follower_gives_up_after_the_configured_time(server: ServerProc, tmp_path: Path) -> None:
