@@ -266,3 +266,28 @@ def test_the_overview_counts_what_other_processes_run_and_queue(
         finally:
             waiting.cancel()
             running.cancel()
+
+
+def test_an_embedded_overview_counts_an_array_by_its_tasks(
+    client: gpulayer.Client, home: Path
+) -> None:
+    """An array's row never runs: its tasks hold the slots and wait."""
+    from gpulayer.access import local_viewer
+    from gpulayer.embedded import Embedded
+    from gpulayer.home import resolve_home
+    from gpulayer.http.dashboard import views
+
+    array = client.submit(command=SLEEP, array=range(3), max_parallel=1)
+    first = client.jobs(array=array)[0]
+    started(first)
+    other = Embedded(resolve_home(home))  # as the dashboard's process reads the home
+    try:
+        figures = views.overview(other.plane, local_viewer(), detached=True)
+        (row,) = figures["usage"]
+        assert (row.running, row.waiting, row.slots_held) == (1, 2, 1)
+        assert figures["busy"] == 1 and figures["free_slots"] == figures["slots"] - 1
+        workers = views.store_workers(other.plane, local_viewer())
+        assert [j for w in workers for j in w.running] == [first.id]
+    finally:
+        other.close()
+        array.cancel()

@@ -165,8 +165,7 @@ MAX_LIVE = 10_000  # running (and queued) jobs an embedded home's overview reads
 
 def _overview_from_store(plane: ControlPlane, viewer: Viewer) -> dict[str, Any]:
     counts = plane.store.count_by_state()
-    running = plane.list_jobs(states=["running"], limit=MAX_LIVE, viewer=viewer)
-    queued = plane.list_jobs(states=["queued"], limit=MAX_LIVE, viewer=viewer)
+    running, queued = live_jobs(plane, viewer)
     workers = store_workers(plane, viewer, running)
     held: dict[str, list[int]] = {}  # project -> [running, waiting, gpus, slots]
     for job in running:
@@ -203,13 +202,28 @@ def _overview_from_store(plane: ControlPlane, viewer: Viewer) -> dict[str, Any]:
     }
 
 
+def live_jobs(plane: ControlPlane, viewer: Viewer) -> tuple[list[JobInfo], list[JobInfo]]:
+    """The running and the queued jobs the store holds, an array's tasks
+    each in its own state (an array's row stands for them, never runs)."""
+    found: dict[str, list[JobInfo]] = {"running": [], "queued": []}
+    for job in plane.list_jobs(states=list(found), limit=MAX_LIVE, viewer=viewer):
+        if not job.array_states:
+            found[job.state].append(job)
+            continue
+        for task in plane.list_jobs(
+            array=job.id, states=list(found), limit=MAX_LIVE, viewer=viewer
+        ):
+            found[task.state].append(task)
+    return found["running"][:MAX_LIVE], found["queued"][:MAX_LIVE]
+
+
 def store_workers(
     plane: ControlPlane, viewer: Viewer, running: list[JobInfo] | None = None
 ) -> list[WorkerInfo]:
     """The workers the store records, each with the running jobs whose
     tasks it holds: what an embedded home's processes recorded."""
     if running is None:
-        running = plane.list_jobs(states=["running"], limit=MAX_LIVE, viewer=viewer)
+        running = live_jobs(plane, viewer)[0]
     on: dict[str, list[str]] = {}
     for job in running:
         for worker_id, _ in _placed(job):
