@@ -236,6 +236,17 @@ def test_a_server_stamps_the_time_not_the_worker(tmp_path: Path) -> None:
 # ---- an embedded client's workers ----------------------------------------
 
 
+def wait_for_gpu_figures(client: gpulayer.Client, gpus: int) -> WorkerInfo:
+    """The client's one worker, once its heartbeats carry ``gpus`` GPUs' figures."""
+    deadline = time.monotonic() + 30
+    while True:
+        (worker,) = client.workers()
+        if len(worker.gpu_stats) == gpus:
+            return worker
+        assert time.monotonic() < deadline, f"no GPU figures arrived: {worker}"
+        time.sleep(0.05)  # the figures come with a heartbeat: nothing to wait on here
+
+
 def test_embedded_local_workers_send_their_gpus_figures(
     home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -248,14 +259,7 @@ def test_embedded_local_workers_send_their_gpus_figures(
     ]
     with gpulayer.Client(home=home) as client:
         client.ensure_local_workers(1)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            (worker,) = client.workers()
-            if len(worker.gpu_stats) == 2:
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError(f"no GPU figures arrived: {worker}")
+        worker = wait_for_gpu_figures(client, 2)
         assert [(s.index, s.utilization) for s in worker.gpu_stats] == [(0, 42.0), (1, 87.0)]
         assert worker.gpu_stats[1].temperature == 71.0
         row = workers_cli.gpu_use(worker.gpu_stats[0])

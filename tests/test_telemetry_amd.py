@@ -28,6 +28,7 @@ from gpulayer.jobs import GpuStats
 from gpulayer.worker.gpus import AMDSMI_MODULE_ENV, NVML_MODULE_ENV, Gpu, detect_gpus
 from gpulayer.worker.telemetry import Sampler, open_sampler
 from gpulayer.worker.telemetry_amd import match_handles
+from test_telemetry import wait_for_gpu_figures
 
 MIB, GIB = 1024**2, 1024**3
 LOGGER = "gpulayer.worker.telemetry"
@@ -413,14 +414,7 @@ def test_embedded_local_workers_send_their_amd_gpus_figures(
     assert [(g.vendor, g.index) for g in detect_gpus()] == [("amd", 0), ("amd", 1)]
     with gpulayer.Client(home=home) as client:
         client.ensure_local_workers(1)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            (worker,) = client.workers()
-            if len(worker.gpu_stats) == 2:
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError(f"no GPU figures arrived: {worker}")
+        worker = wait_for_gpu_figures(client, 2)
         assert worker.gpu_vendor == "amd"
         stats = worker.gpu_stats
         assert [(s.index, s.uuid, s.utilization) for s in stats] == [
